@@ -1,0 +1,16 @@
+"""jaxres: stateful resources for JAX, starting with hash tables as pytrees.
+
+>>> import jax.numpy as jnp, jaxres as jr
+>>> t = jr.OpenAddressingTable.create(capacity=16, key=jnp.int32, value=jnp.float32, default=0.0)
+>>> t = t.insert(jnp.array([1, 2]), jnp.array([10.0, 20.0]))
+>>> t.find(jnp.array([2, 3])).tolist()
+[20.0, 0.0]
+"""
+
+from jaxres import keys as keys
+from jaxres._core.open_addressing import OpenAddressingTable as OpenAddressingTable
+from jaxres._core.sorted_table import SortedTable as SortedTable
+from jaxres._core.table import Table as Table
+
+__all__ = ["OpenAddressingTable", "SortedTable", "Table", "keys"]
+__version__ = "0.1.0"

@@ -1,0 +1,75 @@
+"""Grouping duplicate keys within a batch by sorting, never by racing scatters.
+
+A batched call must behave as if its keys were processed one at a time. The
+batch is stably sorted by (optional prefix, key words); equal keys become one
+contiguous *group* whose rows stay in batch order, so "first occurrence" and
+"last occurrence" are the group's first and last rows. Sorting is
+deterministic on every backend, unlike scatters with duplicate indices.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+class Groups(NamedTuple):
+  """Sorted view of a batch of N key rows (all fields have leading dim N)."""
+
+  perm: jax.Array  # int32[N]: sorted position -> batch index
+  words: jax.Array  # uint32[N, W]: key words in sorted order
+  active: jax.Array  # bool[N]: row takes part (inactive rows sort last)
+  head: jax.Array  # bool[N]: first row of its group (the first occurrence)
+  start: jax.Array  # int32[N]: sorted position of the row's group head
+  end: jax.Array  # int32[N]: sorted position of the row's group tail
+
+  @property
+  def length(self) -> jax.Array:
+    return self.end - self.start + 1
+
+
+def group(words: jax.Array, active: jax.Array | None = None, prefix: jax.Array | None = None) -> Groups:
+  """Sorts a flat batch of key rows into groups of equal keys.
+
+  Args:
+    words: uint32[N, W] key rows, N > 0.
+    active: optional bool[N]; inactive rows sort after all active ones and
+      form groups of their own that callers ignore.
+    prefix: optional uint32[N] sort key placed before the words (the home
+      bucket, so that rows competing for a bucket are contiguous).
+  """
+  n, num_words = words.shape
+  index = jnp.arange(n, dtype=jnp.int32)
+  keys = [] if active is None else [(~active).astype(jnp.uint32)]
+  keys += [] if prefix is None else [prefix]
+  keys += [words[:, j] for j in range(num_words)]
+  *_, perm = lax.sort(tuple(keys) + (index,), num_keys=len(keys), is_stable=True)
+  sorted_words = words[perm]
+  sorted_active = jnp.ones(n, bool) if active is None else active[perm]
+  differs = jnp.any(sorted_words[1:] != sorted_words[:-1], axis=1)
+  differs = differs | (sorted_active[1:] != sorted_active[:-1])
+  head = jnp.concatenate([jnp.ones(1, bool), differs])
+  tail = jnp.concatenate([differs, jnp.ones(1, bool)])
+  start = lax.cummax(jnp.where(head, index, 0))
+  end = lax.cummin(jnp.where(tail, index, n - 1), reverse=True)
+  return Groups(perm, sorted_words, sorted_active, head, start, end)
+
+
+def unsort(groups: Groups, x):
+  """Sorted-order rows -> batch order (a permutation: unique indices)."""
+  return jax.tree.map(lambda a: jnp.zeros_like(a).at[groups.perm].set(a, unique_indices=True), x)
+
+
+def first_occurrence_rank(groups: Groups, selected: jax.Array) -> jax.Array:
+  """For each sorted row: how many selected heads come earlier in batch order.
+
+  ``selected`` marks group heads (bool[N], sorted order). Admission of new
+  keys into a nearly full table follows this rank, so the keys that fit are
+  exactly those a one-at-a-time loop would have inserted.
+  """
+  in_batch_order = unsort(groups, selected.astype(jnp.int32))
+  rank = jnp.cumsum(in_batch_order) - in_batch_order
+  return rank[groups.perm]

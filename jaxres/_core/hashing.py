@@ -1,0 +1,36 @@
+"""Hashing of uint32 word rows (murmur3-style mixing, all in uint32 arithmetic)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_C1 = np.uint32(0xCC9E2D51)
+_C2 = np.uint32(0x1B873593)
+
+
+def _rotl(x: jax.Array, r: int) -> jax.Array:
+  return (x << r) | (x >> (32 - r))
+
+
+def _fmix(h: jax.Array) -> jax.Array:
+  h = h ^ (h >> 16)
+  h = h * np.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * np.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def hash_words(words: jax.Array, seed: int = 0) -> jax.Array:
+  """uint32[..., W] -> uint32[...]: a well-mixed hash of each word row.
+
+  Deterministic on every backend (pure integer arithmetic), so the same keys
+  always land in the same buckets.
+  """
+  num_words = words.shape[-1]
+  h = jnp.full(words.shape[:-1], np.uint32(seed), dtype=jnp.uint32)
+  for j in range(num_words):
+    k = _rotl(words[..., j] * _C1, 15) * _C2
+    h = _rotl(h ^ k, 13) * np.uint32(5) + np.uint32(0xE6546B64)
+  return _fmix(h ^ np.uint32(num_words))

@@ -1,0 +1,158 @@
+"""A sorted array of keys searched by vectorised binary search.
+
+Keys are kept in ascending order of their words (which is ascending key order,
+see :mod:`codec`) in the prefix ``[0, count)`` of ``capacity`` rows. Removal
+clears a ``live`` flag and leaves the key in place as a tombstone, so finds,
+updates, removals and re-insertions of removed keys are all
+O(batch x log capacity). Only keys that were never present need the array to
+make room: they are merged in with one sort of ``capacity + batch`` rows,
+which also drops the tombstones. That is the price of a compact, read-mostly
+layout; use :class:`OpenAddressingTable` when new keys arrive every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxres._core import batch as batch_lib
+from jaxres._core import codec
+from jaxres._core.table import Table, check_capacity, pytree_dataclass, static_field
+from jaxres._core.values import ValueSpec
+
+
+def _less(a: jax.Array, b: jax.Array) -> jax.Array:
+  """Lexicographic ``a < b`` over the last axis of uint32 word rows."""
+  less = jnp.zeros(a.shape[:-1], bool)
+  equal = jnp.ones(a.shape[:-1], bool)
+  for j in range(a.shape[-1]):
+    less = less | (equal & (a[..., j] < b[..., j]))
+    equal = equal & (a[..., j] == b[..., j])
+  return less
+
+
+@pytree_dataclass
+class SortedTable(Table):
+  """A compact table of sorted keys for read-mostly workloads.
+
+  Same methods and results as :class:`OpenAddressingTable` (see
+  :class:`Table`); lookups cost O(log capacity) per key, storage is exactly
+  ``capacity`` rows, and :meth:`export` returns entries in key order.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxres as jr
+    >>> t = jr.SortedTable.create(capacity=4096, key=jnp.int32, value=jnp.float32, default=-1.0)
+    >>> t = t.insert(jnp.array([30, 10, 20]), jnp.array([3.0, 1.0, 2.0]))
+    >>> keys, values, valid = t.export()
+    >>> keys[valid].tolist(), values[valid].tolist()
+    ([10, 20, 30], [1.0, 2.0, 3.0])
+  """
+
+  keys: jax.Array  # uint32[capacity, num_words], sorted on [0, count)
+  live: jax.Array  # bool[capacity]: False for tombstones and unused rows
+  count: jax.Array  # shape=(), dtype=int32: sorted rows in use, tombstones included
+  values: tuple  # leaves [capacity, *storage_shape]
+  default: tuple  # leaves [*storage_shape]
+  size: jax.Array  # shape=(), dtype=int32
+  dropped: jax.Array  # shape=(), dtype=int32
+  capacity: int = static_field()
+  key_spec: codec.KeySpec = static_field()
+  value_spec: ValueSpec = static_field()
+
+  @classmethod
+  def create(cls, capacity: int, key, value, default=0) -> SortedTable:
+    """An empty table holding up to ``capacity`` entries.
+
+    Args:
+      capacity: static number of live entries (>= 1).
+      key: key dtype or ``jax.ShapeDtypeStruct`` (composite keys).
+      value: a dtype, a ``jax.ShapeDtypeStruct``, or a pytree of them.
+      default: value for missing keys; a matching pytree, scalars broadcast.
+    """
+    capacity = check_capacity(capacity)
+    key_spec, value_spec, default = cls._specs(key, value, default)
+    return _empty(capacity, key_spec, value_spec, default)
+
+  def _with_capacity(self, capacity):
+    return _empty(capacity, self.key_spec, self.value_spec, self.default)
+
+  def _group(self, words, active):
+    return batch_lib.group(words, active)
+
+  def _search(self, words):
+    """``(present, position)``: lower bound of each key in ``[0, count)``."""
+    last = self.capacity - 1
+    low = jnp.zeros(words.shape[0], jnp.int32)
+    high = jnp.full(words.shape[0], self.count, jnp.int32)
+
+    def halve(_, bounds):
+      low, high = bounds
+      mid = (low + high) // 2
+      below = _less(self.keys[jnp.minimum(mid, last)], words)
+      active = low < high
+      return jnp.where(active & below, mid + 1, low), jnp.where(active & ~below, mid, high)
+
+    low, _ = lax.fori_loop(0, self.capacity.bit_length(), halve, (low, high), unroll=True)
+    present = (low < self.count) & jnp.all(self.keys[jnp.minimum(low, last)] == words, axis=-1)
+    return present, low
+
+  def _locate(self, words):
+    present, position = self._search(words)
+    return present & self.live[jnp.minimum(position, self.capacity - 1)], position
+
+  def _place(self, groups, admitted, rows):
+    present, position = self._search(groups.words)
+    revive = admitted & present
+    table = self._write(position, rows, revive)
+    live = table.live.at[jnp.where(revive, position, self.capacity)].set(True, mode="drop")
+    table = dataclasses.replace(table, live=live)
+    fresh = admitted & ~present
+    return lax.cond(jnp.any(fresh), _merge, lambda t, *_: t, table, groups.words, rows, fresh)
+
+  def _release(self, groups, slot, mask):
+    live = self.live.at[jnp.where(mask, slot, self.capacity)].set(False, mode="drop")
+    return dataclasses.replace(self, live=live)
+
+  def _compact(self):
+    target = jnp.where(self.live, jnp.cumsum(self.live, dtype=jnp.int32) - 1, self.capacity)
+    words = jnp.zeros_like(self.keys).at[target].set(self.keys, mode="drop")
+    leaves = [jnp.zeros_like(v).at[target].set(v, mode="drop") for v in self.values]
+    return words, leaves, jnp.arange(self.capacity) < self.size
+
+
+def _merge(table: SortedTable, words, rows, fresh):
+  """Merges the ``fresh`` rows into the sorted prefix, dropping tombstones."""
+  capacity = table.capacity
+  all_words = jnp.concatenate([table.keys, words])
+  dead = jnp.concatenate([~table.live, ~fresh]).astype(jnp.uint32)
+  index = jnp.arange(all_words.shape[0], dtype=jnp.int32)
+  columns = tuple(all_words[:, j] for j in range(all_words.shape[1]))
+  *_, order = lax.sort((dead,) + columns + (index,), num_keys=1 + len(columns))
+  order = order[:capacity]
+  num_live = jnp.sum(dead == 0, dtype=jnp.int32)
+  values = tuple(jnp.concatenate([v, r])[order] for v, r in zip(table.values, rows))
+  return dataclasses.replace(
+    table,
+    keys=all_words[order],
+    live=jnp.arange(capacity) < num_live,
+    count=num_live,
+    values=values,
+  )
+
+
+def _empty(capacity, key_spec, value_spec, default):
+  return SortedTable(
+    keys=jnp.zeros((capacity, key_spec.num_words), jnp.uint32),
+    live=jnp.zeros((capacity,), bool),
+    count=jnp.zeros((), jnp.int32),
+    values=tuple(value_spec.empty((capacity,))),
+    default=tuple(default),
+    size=jnp.zeros((), jnp.int32),
+    dropped=jnp.zeros((), jnp.int32),
+    capacity=capacity,
+    key_spec=key_spec,
+    value_spec=value_spec,
+  )

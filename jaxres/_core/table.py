@@ -1,0 +1,446 @@
+"""The ``Table`` protocol and the batch algorithms both storages share.
+
+A storage (open addressing, sorted array) provides five primitives over flat
+batches of uint32 key rows; everything a user calls is written once here on
+top of them:
+
+* ``_group(words, active)``: sort the batch into groups of equal keys;
+* ``_locate(words)``: ``(found, slot)`` of live entries;
+* ``_place(groups, admitted, rows)``: store new keys (admitted group heads);
+* ``_release(groups, slot, mask)``: delete entries;
+* ``_compact()``: all live entries packed at the front of ``capacity`` rows.
+
+Public methods validate and encode arguments on the host, then call one jitted
+function per operation, so eager calls are compiled once per shape and calls
+inside a user's ``jit`` simply inline.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxres._core import batch as batch_lib
+from jaxres._core import codec
+from jaxres._core.values import ValueSpec
+
+_MAX_CAPACITY = 2**30
+
+
+def pytree_dataclass(cls):
+  """A frozen dataclass registered as a pytree; fields marked ``static`` are aux data."""
+  cls = dataclasses.dataclass(frozen=True, eq=False, repr=False)(cls)
+  fields = dataclasses.fields(cls)
+  meta = [f.name for f in fields if f.metadata.get("static")]
+  data = [f.name for f in fields if not f.metadata.get("static")]
+  return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+
+
+def static_field():
+  return dataclasses.field(metadata={"static": True})
+
+
+def check_capacity(capacity, name: str = "capacity") -> int:
+  if isinstance(capacity, bool) or not isinstance(capacity, int):
+    raise TypeError(f"{name}: expected a Python int, got {capacity!r} (it is static).")
+  if not 0 < capacity <= _MAX_CAPACITY:
+    raise ValueError(f"{name}: expected 1 <= {name} <= {_MAX_CAPACITY}, got {capacity}.")
+  return capacity
+
+
+def _take(leaves, index):
+  return [jnp.take(x, index, axis=0, mode="clip") for x in leaves]
+
+
+def _select(mask, on_true, on_false):
+  def pick(a, b):
+    return jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), a, b)
+
+  return [pick(a, b) for a, b in zip(on_true, on_false)]
+
+
+class Table(abc.ABC):
+  """Common protocol of jaxres hash tables: immutable pytrees, pure methods.
+
+  Both storages (:class:`OpenAddressingTable`, :class:`SortedTable`) provide
+  every method below with identical results. A batched call behaves as if its
+  keys were processed one at a time in row-major order: ``insert`` lets the
+  last duplicate win, ``find_or_insert`` lets the first one insert and
+  ``insert_or_apply`` folds duplicates in order.
+
+  Keys are ``int32``/``uint32``/``int64``/``uint64`` scalars or fixed-shape
+  vectors of them, with any leading batch shape. Every value of the dtype is a
+  valid key. With ``jax_enable_x64`` off, 64-bit keys are given as NumPy arrays
+  on the host, or as ``uint32[..., 2]`` word pairs (see :mod:`jaxres.keys`).
+  """
+
+  # Fields every storage declares (see the storage modules).
+  values: tuple
+  default: tuple
+  size: jax.Array  # shape=(), dtype=int32: live entries
+  dropped: jax.Array  # shape=(), dtype=int32: keys an insert could not place
+  capacity: int
+  key_spec: codec.KeySpec
+  value_spec: ValueSpec
+
+  # ------------------------------------------------------------------ args
+
+  @classmethod
+  def _specs(cls, key, value, default):
+    key_spec = codec.KeySpec.parse(key)
+    value_spec = ValueSpec.parse(value)
+    if jax.tree.structure(default).num_leaves == 1 and len(value_spec.leaves) > 1:
+      default = jax.tree.unflatten(value_spec.treedef, [default] * len(value_spec.leaves))
+    default_leaves = tuple(value_spec.to_storage(default, (), "default", broadcast=True))
+    return key_spec, value_spec, default_leaves
+
+  def _keys(self, keys, name="keys"):
+    words, batch = self.key_spec.encode(keys, name)
+    return words.reshape(-1, self.key_spec.num_words), batch
+
+  def _values(self, values, batch, name="values"):
+    n = math.prod(batch)
+    leaves = self.value_spec.to_storage(values, batch, name)
+    return [x.reshape((n,) + x.shape[len(batch) :]) for x in leaves]
+
+  def _output(self, leaves, batch):
+    return self.value_spec.from_storage([x.reshape(batch + x.shape[1:]) for x in leaves])
+
+  def _default(self, default, batch):
+    if default is None:
+      return [jnp.broadcast_to(d, batch + d.shape) for d in self.default]
+    if jax.tree.structure(default).num_leaves == 1 and len(self.value_spec.leaves) > 1:
+      default = jax.tree.unflatten(self.value_spec.treedef, [default] * len(self.value_spec.leaves))
+    return self.value_spec.to_storage(default, batch, "default", broadcast=True)
+
+  def _empty_result(self, batch):
+    return self._output([x.reshape((0,) + x.shape[len(batch) :]) for x in self._default(None, batch)], batch)
+
+  # ------------------------------------------------------------- queries
+
+  def lookup(self, keys) -> tuple[Any, jax.Array]:
+    """Finds keys, returning ``(values, found)`` from a single probe.
+
+    Args:
+      keys: ``key_dtype[*batch, *key_shape]`` (or word pairs, see class doc).
+
+    Returns:
+      ``values``: the value pytree with leaves ``[*batch, *value_shape]``
+      (the table's default where missing), and ``found``: ``bool[*batch]``.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxres as jr
+      >>> t = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.float32, default=-1.0)
+      >>> t = t.insert(jnp.array([3, 5]), jnp.array([0.5, 1.5]))
+      >>> values, found = t.lookup(jnp.array([5, 7]))
+      >>> values.tolist(), found.tolist()
+      ([1.5, -1.0], [True, False])
+    """
+    return self._lookup(keys, None)
+
+  def find(self, keys, default=None):
+    """Values of ``keys``; missing keys get ``default``.
+
+    Args:
+      keys: ``key_dtype[*batch, *key_shape]``.
+      default: ``None`` for the table's default, or a per-call pytree that
+        broadcasts to ``[*batch, *value_shape]`` (a "dynamic default").
+
+    Example:
+      >>> import jax.numpy as jnp, jaxres as jr
+      >>> t = jr.SortedTable.create(8, key=jnp.int32, value=jnp.float32, default=-1.0)
+      >>> t = t.insert(jnp.array([3]), jnp.array([0.5]))
+      >>> t.find(jnp.array([3, 4])).tolist(), t.find(jnp.array([4]), default=9.0).tolist()
+      ([0.5, -1.0], [9.0])
+    """
+    return self._lookup(keys, default)[0]
+
+  def contains(self, keys) -> jax.Array:
+    """``bool[*batch]``: whether each key is present."""
+    words, batch = self._keys(keys)
+    if not words.shape[0]:
+      return jnp.zeros(batch, bool)
+    return _contains(self, words).reshape(batch)
+
+  def _lookup(self, keys, default):
+    words, batch = self._keys(keys)
+    defaults = self._default(default, batch)
+    if not words.shape[0]:
+      return self._empty_result(batch), jnp.zeros(batch, bool)
+    n = words.shape[0]
+    flat_defaults = [d.reshape((n,) + d.shape[len(batch) :]) for d in defaults]
+    leaves, found = _lookup(self, words, flat_defaults)
+    return self._output(leaves, batch), found.reshape(batch)
+
+  # ----------------------------------------------------------- mutations
+
+  def insert(self, keys, values) -> Table:
+    """Inserts or assigns; the last duplicate in the batch wins.
+
+    New keys that do not fit (``size == capacity``) are counted in
+    :attr:`dropped` instead, in batch order, exactly as a one-at-a-time loop.
+
+    Args:
+      keys: ``key_dtype[*batch, *key_shape]``.
+      values: value pytree with leaves ``[*batch, *value_shape]`` (a scalar
+        leaf broadcasts).
+
+    Returns:
+      The new table.
+    """
+    words, batch = self._keys(keys)
+    leaves = self._values(values, batch)
+    if not words.shape[0]:
+      return self
+    return _upsert(self, words, leaves, None, mode="insert", fn=None)[0]
+
+  def find_or_insert(self, keys, values) -> tuple[Table, Any]:
+    """Returns existing values and inserts the missing keys with ``values``.
+
+    The first occurrence of a new key inserts it; later duplicates see that
+    value. A new key that does not fit gets the table default and is counted
+    in :attr:`dropped`.
+
+    Returns:
+      ``(table, values)`` where ``values`` has leaves ``[*batch, *value_shape]``.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxres as jr
+      >>> t = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.int32, default=-1)
+      >>> t, rows = t.find_or_insert(jnp.array([7, 9, 7]), jnp.array([0, 1, 2]))
+      >>> rows.tolist()
+      [0, 1, 0]
+    """
+    words, batch = self._keys(keys)
+    leaves = self._values(values, batch)
+    if not words.shape[0]:
+      return self, self._empty_result(batch)
+    table, out = _upsert(self, words, leaves, None, mode="first", fn=None)
+    return table, self._output(out, batch)
+
+  def insert_or_apply(self, keys, values, fn: Callable) -> Table:
+    """New keys get ``values``; existing ones become ``fn(old, new)``.
+
+    Duplicates within the batch fold in order: a key ``k`` present with value
+    ``a`` and given ``b`` then ``c`` ends as ``fn(fn(a, b), c)``.
+
+    Args:
+      keys: ``key_dtype[*batch, *key_shape]``.
+      values: value pytree with leaves ``[*batch, *value_shape]``.
+      fn: ``fn(old, new) -> value``, both one entry's value pytree (it is
+        vectorised with ``jax.vmap``), e.g. ``jnp.add``. 64-bit integer leaves
+        with x64 off appear as uint32 word pairs. Pass the same function object
+        each call to avoid recompiling.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxres as jr
+      >>> t = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.float32)
+      >>> t = t.insert_or_apply(jnp.array([1, 1, 2]), jnp.array([1.0, 2.0, 5.0]), jnp.add)
+      >>> t.find(jnp.array([1, 2])).tolist()
+      [3.0, 5.0]
+    """
+    if not callable(fn):
+      raise TypeError(f"fn: expected a callable fn(old, new), got {fn!r}.")
+    words, batch = self._keys(keys)
+    leaves = self._values(values, batch)
+    if not words.shape[0]:
+      return self
+    self._check_fn(fn)
+    return _upsert(self, words, leaves, None, mode="apply", fn=fn)[0]
+
+  def _check_fn(self, fn):
+    entry = [jax.ShapeDtypeStruct(s.storage_shape, s.storage_dtype) for s in self.value_spec.leaves]
+    tree = jax.tree.unflatten(self.value_spec.treedef, entry)
+    try:
+      out = jax.eval_shape(fn, tree, tree)
+    except Exception as err:
+      raise TypeError(f"fn: calling fn(old, new) on entries {tree} failed: {err}") from err
+    got = [(tuple(x.shape), x.dtype) for x in jax.tree.leaves(out)]
+    want = [(tuple(x.shape), x.dtype) for x in entry]
+    if jax.tree.structure(out) != self.value_spec.treedef or got != want:
+      raise TypeError(f"fn: must return an entry like {tree}, got {out}.")
+
+  def remove(self, keys) -> Table:
+    """Removes keys; absent keys are ignored."""
+    words, _ = self._keys(keys)
+    if not words.shape[0]:
+      return self
+    return _remove(self, words)
+
+  # ------------------------------------------------------ whole contents
+
+  def export(self):
+    """All entries as fixed-shape arrays ``(keys, values, valid)``.
+
+    Returns ``capacity`` rows with the live entries first (``valid`` marks
+    them); jittable. ``SortedTable`` exports in key order. 64-bit keys come
+    back as NumPy arrays when x64 is off and the call is eager, and as word
+    pairs under ``jit``.
+    """
+    words, leaves, valid = _compact(self)
+    words = jnp.where(valid[:, None], words, self.key_spec.encode_zero())
+    return self.key_spec.decode(words), self.value_spec.from_storage(leaves), valid
+
+  def import_(self, keys, values, valid=None) -> Table:
+    """A table of the same capacity holding exactly the given entries.
+
+    Args:
+      keys: ``key_dtype[n, *key_shape]``.
+      values: value pytree with leaves ``[n, *value_shape]``.
+      valid: optional ``bool[n]``; rows marked ``False`` are ignored.
+
+    Entries beyond the capacity are counted in :attr:`dropped`, which
+    otherwise restarts at zero.
+    """
+    words, batch = self._keys(keys)
+    leaves = self._values(values, batch)
+    active = None
+    if valid is not None:
+      active = jnp.asarray(valid)
+      if active.dtype != bool or active.shape != batch:
+        raise ValueError(f"valid: expected bool{list(batch)}, got {active.dtype}{list(active.shape)}.")
+      active = active.reshape(-1)
+    empty = self._cleared()
+    if not words.shape[0]:
+      return empty
+    return _upsert(empty, words, leaves, active, mode="insert", fn=None)[0]
+
+  def resize(self, capacity: int) -> Table:
+    """The same contents in a table of another ``capacity`` (static).
+
+    Raises:
+      ValueError: eagerly, when ``capacity`` is below the current size (under
+        ``jit`` the entries that do not fit are counted in ``dropped``).
+    """
+    capacity = check_capacity(capacity)
+    if not codec.is_traced(self.size) and int(self.size) > capacity:
+      raise ValueError(f"capacity: {capacity} is below the table's size {int(self.size)}.")
+    words, leaves, valid = _compact(self)
+    return _upsert(self._with_capacity(capacity), words, leaves, valid, mode="insert", fn=None)[0]
+
+  def __repr__(self) -> str:
+    size = "traced" if codec.is_traced(self.size) else int(self.size)
+    return (
+      f"{type(self).__name__}(capacity={self.capacity}, size={size}, "
+      f"key={self.key_spec}, value={self.value_spec})"
+    )
+
+  # ------------------------------------------------- storage primitives
+
+  def _cleared(self) -> Table:
+    return self._with_capacity(self.capacity)
+
+  def _write(self, slot, rows, mask) -> Table:
+    """Overwrites the values of existing entries at ``slot`` where ``mask``."""
+    index = jnp.where(mask, slot, self.values[0].shape[0])
+    values = tuple(v.at[index].set(r, mode="drop") for v, r in zip(self.values, rows))
+    return dataclasses.replace(self, values=values)
+
+  @abc.abstractmethod
+  def _with_capacity(self, capacity: int) -> Table:
+    """An empty table with this one's specs and default and a new capacity."""
+
+  @abc.abstractmethod
+  def _group(self, words, active) -> batch_lib.Groups:
+    """Groups a flat batch of key rows (see :func:`batch.group`)."""
+
+  @abc.abstractmethod
+  def _locate(self, words) -> tuple[jax.Array, jax.Array]:
+    """``(found bool[N], slot int32[N])`` of live entries; slot indexes ``values``."""
+
+  @abc.abstractmethod
+  def _place(self, groups, admitted, rows) -> Table:
+    """Stores the new keys of the ``admitted`` group heads with value ``rows``."""
+
+  @abc.abstractmethod
+  def _release(self, groups, slot, mask) -> Table:
+    """Deletes the entries at ``slot`` where ``mask`` (unique keys)."""
+
+  @abc.abstractmethod
+  def _compact(self) -> tuple[jax.Array, list, jax.Array]:
+    """``(words[capacity, W], leaves, valid)`` with live entries first."""
+
+
+# ---------------------------------------------------------------- kernels
+
+
+@jax.jit
+def _lookup(table: Table, words, defaults):
+  found, slot = table._locate(words)
+  return _select(found, _take(table.values, slot), defaults), found
+
+
+@jax.jit
+def _contains(table: Table, words):
+  return table._locate(words)[0]
+
+
+@jax.jit
+def _compact(table: Table):
+  return table._compact()
+
+
+@jax.jit
+def _remove(table: Table, words):
+  groups = table._group(words, None)
+  found, slot = table._locate(groups.words)
+  release = groups.head & found
+  table = table._release(groups, slot, release)
+  return dataclasses.replace(table, size=table.size - jnp.sum(release, dtype=jnp.int32))
+
+
+def _fold(table, groups, found, slot, rows, fn):
+  """insert_or_apply: each group's rows folded in batch order onto the old value."""
+  treedef = table.value_spec.treedef
+
+  def apply(old, new):
+    out = jax.vmap(fn)(jax.tree.unflatten(treedef, old), jax.tree.unflatten(treedef, new))
+    return jax.tree.leaves(out)
+
+  acc = _select(found, apply(_take(table.values, slot), rows), rows)
+  index = jnp.arange(groups.perm.shape[0], dtype=jnp.int32)
+
+  def step(r, acc):
+    nxt = _take(rows, index + r)
+    return _select(r < groups.length, apply(acc, nxt), acc)
+
+  longest = jnp.max(jnp.where(groups.head & groups.active, groups.length, 0))
+  return jax.lax.fori_loop(1, longest, step, acc)
+
+
+@functools.partial(jax.jit, static_argnames=("mode", "fn"))
+def _upsert(table: Table, words, leaves, active, *, mode: str, fn):
+  """insert ("insert"), find_or_insert ("first") and insert_or_apply ("apply")."""
+  groups = table._group(words, active)
+  rows = _take(leaves, groups.perm)
+  found, slot = table._locate(groups.words)
+  if mode == "insert":
+    rows = _take(rows, groups.end)
+  elif mode == "apply":
+    rows = _fold(table, groups, found, slot, rows, fn)
+  heads = groups.head & groups.active
+  new = heads & ~found
+  rank = batch_lib.first_occurrence_rank(groups, new)
+  admitted = new & (rank < table.capacity - table.size)
+  num_admitted = jnp.sum(admitted, dtype=jnp.int32)
+
+  out = []
+  if mode == "first":
+    defaults = [jnp.broadcast_to(d, x.shape) for d, x in zip(table.default, rows)]
+    out = _select(found, _take(table.values, slot), _select(admitted, rows, defaults))
+    out = batch_lib.unsort(groups, _take(out, groups.start))
+  else:
+    table = table._write(slot, rows, heads & found)
+  table = table._place(groups, admitted, rows)
+  table = dataclasses.replace(
+    table,
+    size=table.size + num_admitted,
+    dropped=table.dropped + jnp.sum(new, dtype=jnp.int32) - num_admitted,
+  )
+  return table, out

@@ -1,0 +1,159 @@
+"""Value specifications: pytrees of per-entry arrays and their storage form."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxres._core import codec
+
+
+def _is_spec_leaf(x) -> bool:
+  return isinstance(x, jax.ShapeDtypeStruct) or _as_dtype(x) is not None
+
+
+def _as_dtype(x):
+  if isinstance(x, (list, tuple, dict)) or x is None:
+    return None
+  try:
+    return np.dtype(x)
+  except TypeError:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+  """One value leaf: its user-facing dtype and per-entry shape.
+
+  With ``jax_enable_x64`` off, a 64-bit integer leaf is stored as uint32 word
+  pairs (``wide``) so that it stays exact; a ``float64`` leaf is stored as
+  ``float32`` (JAX's own canonicalisation) and so loses precision.
+  """
+
+  dtype: np.dtype
+  shape: tuple[int, ...]
+  wide: bool
+
+  @property
+  def storage_dtype(self) -> np.dtype:
+    if self.wide:
+      return np.dtype(np.uint32)
+    return np.dtype(jax.dtypes.canonicalize_dtype(self.dtype))
+
+  @property
+  def storage_shape(self) -> tuple[int, ...]:
+    return self.shape + (2,) if self.wide else self.shape
+
+  def __str__(self) -> str:
+    return f"{self.dtype}{list(self.shape)}"
+
+  def to_storage(self, x, batch: tuple[int, ...], name: str, broadcast: bool) -> jax.Array:
+    """One user leaf -> storage array of shape ``batch + storage_shape``.
+
+    ``broadcast`` allows any shape that broadcasts (defaults); otherwise the
+    leaf must have shape ``batch + shape`` exactly, or be a scalar.
+    """
+    if self.wide:
+      arr = self._wide_to_pairs(x, name)
+      lead = arr.shape[:-1]
+    else:
+      arr = self._narrow(x, name)
+      lead = arr.shape
+    target = batch + self.shape
+    if not (lead == target or lead == () or broadcast):
+      raise ValueError(f"{name}: expected shape {target} ({self}), got {lead}.")
+    try:
+      return jnp.broadcast_to(arr, batch + self.storage_shape)
+    except ValueError:
+      raise ValueError(f"{name}: shape {lead} does not broadcast to {target} ({self}).") from None
+
+  def _narrow(self, x, name):
+    arr = x if isinstance(x, jax.Array) else np.asarray(x)
+    src = np.dtype(arr.dtype)
+    ok = src == self.dtype or np.can_cast(src, self.dtype, "same_kind")
+    if src.kind == "b" and self.dtype.kind != "b":
+      ok = False
+    if not ok or src.kind not in "biufc":
+      raise TypeError(
+        f"{name}: expected values of dtype {self.dtype}, got {src}; cast explicitly if intended."
+      )
+    return jnp.asarray(arr).astype(self.storage_dtype)
+
+  def _wide_to_pairs(self, x, name):
+    if isinstance(x, jax.Array):
+      if x.dtype == np.uint32 and x.shape[-1:] == (2,):
+        return x
+      if x.dtype == self.dtype:
+        return codec.split64_jax(x)
+      raise TypeError(
+        f"{name}: expected {self.dtype} values (NumPy on the host) or uint32 word pairs "
+        f"inside jit, got {x.dtype}."
+      )
+    if isinstance(x, (np.ndarray, np.generic)):
+      arr = np.asarray(x)
+      if arr.dtype == np.uint32 and arr.shape[-1:] == (2,):
+        return jnp.asarray(arr)
+      if arr.dtype.kind not in "iu" or not np.can_cast(arr.dtype, self.dtype, "safe"):
+        raise TypeError(f"{name}: expected {self.dtype} values, got {arr.dtype}.")
+      arr = arr.astype(self.dtype)
+    else:
+      arr = codec.host_integers(x, self.dtype, name)
+    return jnp.asarray(codec.split64_host(arr))
+
+  def from_storage(self, x):
+    return codec.decode_wide(x, self.dtype) if self.wide else x
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueSpec:
+  """Static description of a table's values: a pytree of :class:`LeafSpec`."""
+
+  treedef: jax.tree_util.PyTreeDef
+  leaves: tuple[LeafSpec, ...]
+
+  @classmethod
+  def parse(cls, value) -> ValueSpec:
+    flat, treedef = jax.tree.flatten(value, is_leaf=_is_spec_leaf)
+    if not flat:
+      raise TypeError(f"value: expected a dtype, ShapeDtypeStruct or pytree of them, got {value!r}.")
+    leaves = []
+    for leaf in flat:
+      if isinstance(leaf, jax.ShapeDtypeStruct):
+        dtype, shape = np.dtype(leaf.dtype), tuple(leaf.shape)
+      elif (dtype := _as_dtype(leaf)) is not None:
+        shape = ()
+      else:
+        raise TypeError(f"value: expected a dtype or jax.ShapeDtypeStruct leaf, got {leaf!r}.")
+      if dtype.kind not in "biufc":
+        raise TypeError(f"value: unsupported dtype {dtype}.")
+      wide = dtype.kind in "iu" and dtype.itemsize == 8 and not codec.x64_enabled()
+      leaves.append(LeafSpec(dtype, shape, wide))
+    return cls(treedef, tuple(leaves))
+
+  def __str__(self) -> str:
+    if self.treedef.num_leaves == 1 and not self.treedef.children():
+      return str(self.leaves[0])
+    return str(jax.tree.unflatten(self.treedef, [str(leaf) for leaf in self.leaves]))
+
+  def _flatten(self, values, name: str) -> list:
+    if self.treedef == jax.tree.structure(0):
+      return [values]
+    flat, treedef = jax.tree.flatten(values)
+    if treedef != self.treedef:
+      raise TypeError(f"{name}: expected a pytree of structure {self.treedef}, got {treedef}.")
+    return flat
+
+  def to_storage(self, values, batch, name: str, broadcast: bool = False) -> list[jax.Array]:
+    """A user value pytree -> flat list of storage arrays ``batch + storage_shape``."""
+    flat = self._flatten(values, name)
+    return [s.to_storage(x, batch, name, broadcast) for s, x in zip(self.leaves, flat)]
+
+  def from_storage(self, leaves):
+    """Flat storage arrays -> the user's pytree (64-bit leaves decoded)."""
+    return jax.tree.unflatten(self.treedef, [s.from_storage(x) for s, x in zip(self.leaves, leaves)])
+
+  def empty(self, batch: tuple[int, ...]) -> list[jax.Array]:
+    return [jnp.zeros(batch + s.storage_shape, s.storage_dtype) for s in self.leaves]

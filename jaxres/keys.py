@@ -1,0 +1,70 @@
+"""Helpers for 64-bit keys and values as ``uint32`` word pairs.
+
+With ``jax_enable_x64`` off, JAX has no 64-bit integer arrays, so inside
+``jit`` a 64-bit key travels as a *word pair*: ``uint32[..., 2]`` holding the
+high and the low 32 bits of its two's complement form. Tables accept word
+pairs wherever they accept 64-bit keys, and ``export()`` under ``jit`` returns
+them. On the host, NumPy ``int64``/``uint64`` arrays are accepted directly.
+
+Example:
+  >>> import numpy as np, jaxres as jr
+  >>> ids = np.array([2**40 + 5, -1], dtype=np.int64)
+  >>> pairs = jr.keys.split64(ids)
+  >>> pairs.dtype, pairs.shape
+  (dtype('uint32'), (2, 2))
+  >>> jr.keys.join64(pairs, np.int64).tolist()
+  [1099511627781, -1]
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxres._core import codec
+
+__all__ = ["join64", "split64"]
+
+
+def split64(x):
+  """64-bit integers -> ``uint32[..., 2]`` word pairs (high word first).
+
+  Args:
+    x: a NumPy ``int64``/``uint64`` array (or Python ints, read as int64), or a
+      JAX 64-bit array when ``jax_enable_x64`` is on (traceable).
+
+  Returns:
+    A ``uint32`` array of shape ``x.shape + (2,)``: a JAX array.
+
+  Raises:
+    TypeError: ``x`` is not a 64-bit integer array.
+  """
+  if isinstance(x, jax.Array):
+    if x.dtype not in (np.int64, np.uint64):
+      raise TypeError(f"x: expected an int64 or uint64 array, got {x.dtype}.")
+    return codec.split64_jax(x)
+  arr = np.asarray(x)
+  if arr.dtype.kind in "iu" and arr.dtype.itemsize < 8:
+    arr = arr.astype(np.int64)
+  if arr.dtype not in (np.int64, np.uint64):
+    raise TypeError(f"x: expected an int64 or uint64 array, got {arr.dtype}.")
+  return jax.numpy.asarray(codec.split64_host(arr))
+
+
+def join64(pairs, dtype=np.int64):
+  """``uint32[..., 2]`` word pairs -> 64-bit integers of ``dtype``.
+
+  Returns a JAX array when x64 is on, a NumPy array for concrete pairs when it
+  is off, and raises ``TypeError`` for traced pairs with x64 off (there is no
+  64-bit JAX dtype to return; keep the pairs).
+  """
+  dtype = np.dtype(dtype)
+  if dtype not in (np.int64, np.uint64):
+    raise TypeError(f"dtype: expected int64 or uint64, got {dtype}.")
+  if getattr(pairs, "dtype", np.uint32) != np.uint32 or np.shape(pairs)[-1:] != (2,):
+    raise TypeError(f"pairs: expected uint32[..., 2], got {getattr(pairs, 'dtype', type(pairs))}{list(np.shape(pairs))}.")
+  if codec.x64_enabled():
+    return codec.join64_jax(jax.numpy.asarray(pairs), dtype)
+  if codec.is_traced(pairs):
+    raise TypeError("pairs: cannot join traced word pairs with jax_enable_x64 off; keep them as pairs.")
+  return codec.join64_host(np.asarray(pairs), dtype)
