@@ -247,5 +247,5 @@ class KeySpec:
     if not self.wide:
       elems = self._flip(words).reshape(batch + self.shape)
       return jax.lax.bitcast_convert_type(elems, self.dtype) if self.dtype.kind == "i" else elems
-    pairs = self._flip(words).reshape(batch + self.shape + (2,))
+    pairs = self._flip(words.reshape(batch + self.shape + (2,)))
     return decode_wide(pairs, self.dtype)

@@ -95,7 +95,7 @@ class SortedTable(Table):
       active = low < high
       return jnp.where(active & below, mid + 1, low), jnp.where(active & ~below, mid, high)
 
-    low, _ = lax.fori_loop(0, self.capacity.bit_length(), halve, (low, high), unroll=True)
+    low, _ = lax.fori_loop(0, self.capacity.bit_length(), halve, (low, high))
     present = (low < self.count) & jnp.all(self.keys[jnp.minimum(low, last)] == words, axis=-1)
     return present, low
 

@@ -1,0 +1,192 @@
+"""Both storages against the Python-dict oracle, for every key and value kind."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from oracle import KIND_IDS, KINDS, STORAGES, DictTable, assert_matches, assert_rows_equal, table_rows
+
+import jaxres as jr
+
+BATCH = 8
+
+
+def _twice_plus(old, new):
+  return jax.tree.map(lambda a, b: a * 2 + b, old, new)
+
+
+def _twice_plus_rows(old, new):
+  return tuple(a * 2 + b for a, b in zip(old, new))
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_random_operations_match_dict(storage, kind):
+  rng = np.random.default_rng(hash(kind.name) % 2**32)
+  capacity = 12
+  table, model = kind.create(storage, capacity), DictTable(kind, capacity)
+  for step in range(40):
+    op = rng.choice(["insert", "find_or_insert", "apply", "remove", "find", "import"], p=[0.3, 0.2, 0.2, 0.15, 0.1, 0.05])
+    keys, values = kind.keys(rng, BATCH, pool=16), kind.values(rng, BATCH)
+    if op == "insert":
+      table = table.insert(keys, values)
+      model.insert(keys, values)
+    elif op == "find_or_insert":
+      table, got = table.find_or_insert(keys, values)
+      assert_rows_equal(table_rows(got, BATCH), model.find_or_insert(keys, values))
+    elif op == "apply":
+      table = table.insert_or_apply(keys, values, _twice_plus)
+      model.insert_or_apply(keys, values, _twice_plus_rows)
+    elif op == "remove":
+      table = table.remove(keys)
+      model.remove(keys)
+    elif op == "find":
+      assert_rows_equal(table_rows(table.find(keys), BATCH), model.find(keys))
+      found, present = table.lookup(keys)
+      assert_rows_equal(table_rows(found, BATCH), model.find(keys))
+      np.testing.assert_array_equal(present, model.contains(keys))
+      np.testing.assert_array_equal(table.contains(keys), model.contains(keys))
+    else:
+      valid = rng.random(BATCH) < 0.7
+      table = table.import_(keys, values, valid)
+      model.import_(keys, values, valid)
+    assert_matches(table, model), f"diverged after step {step} ({op})"
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_last_duplicate_wins_and_first_inserts(storage):
+  t = storage.create(8, key=jnp.int32, value=jnp.int32, default=-1)
+  t = t.insert(jnp.array([5, 5, 6, 5]), jnp.array([1, 2, 3, 4]))
+  assert t.find(jnp.array([5, 6])).tolist() == [4, 3]
+  t, got = t.find_or_insert(jnp.array([7, 5, 7]), jnp.array([10, 11, 12]))
+  assert got.tolist() == [10, 4, 10]
+  assert int(t.size) == 3
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_insert_or_apply_folds_in_batch_order(storage):
+  t = storage.create(8, key=jnp.int32, value=jnp.float32)
+  t = t.insert(jnp.array([1]), jnp.array([1.0]))
+  # fn(old, new) = 10 * old + new is order-sensitive: ((1*10+2)*10+3) = 123.
+  t = t.insert_or_apply(jnp.array([1, 1, 9, 9]), jnp.array([2.0, 3.0, 4.0, 5.0]), lambda a, b: 10 * a + b)
+  assert t.find(jnp.array([1, 9])).tolist() == [123.0, 45.0]
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_full_table_counts_dropped_exactly_in_batch_order(storage):
+  t = storage.create(3, key=jnp.int32, value=jnp.int32, default=-1)
+  t = t.insert(jnp.array([1, 2]), jnp.array([1, 2]))
+  # Room for one: 9 comes first in batch order and wins; 7 (twice) and 8 are lost; 1 updates.
+  t = t.insert(jnp.array([9, 7, 1, 8, 7]), jnp.array([9, 7, 10, 8, 70]))
+  assert int(t.size) == 3 and int(t.dropped) == 2
+  assert t.find(jnp.array([9, 7, 1, 8])).tolist() == [9, -1, 10, -1]
+  t, got = t.find_or_insert(jnp.array([4, 1]), jnp.array([4, 0]))
+  assert got.tolist() == [-1, 10] and int(t.dropped) == 3
+  t = t.remove(jnp.array([2]))
+  t = t.insert(jnp.array([4]), jnp.array([4]))
+  assert int(t.size) == 3 and int(t.dropped) == 3, "dropped is sticky"
+  t = t.resize(8)
+  assert int(t.dropped) == 0 and int(t.size) == 3
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_fills_to_capacity_exactly(storage):
+  capacity = 100
+  t = storage.create(capacity, key=jnp.int32, value=jnp.int32)
+  keys = np.random.default_rng(1).permutation(1000)[:150].astype(np.int32)
+  t = t.insert(keys, keys)
+  assert int(t.size) == capacity and int(t.dropped) == 50
+  np.testing.assert_array_equal(t.find(keys[:capacity]), keys[:capacity])
+  assert not np.asarray(t.contains(keys[capacity:])).any()
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_remove_then_reinsert_keeps_every_key_reachable(storage):
+  rng = np.random.default_rng(2)
+  t = storage.create(64, key=jnp.uint32, value=jnp.int32, default=-1)
+  model = {}
+  for _ in range(30):
+    keys = rng.integers(0, 100, size=16).astype(np.uint32)
+    if rng.random() < 0.5:
+      t = t.insert(keys, keys.astype(np.int32))
+      for k in keys.tolist():
+        if k in model or len(model) < 64:
+          model[k] = k
+    else:
+      t = t.remove(keys)
+      for k in keys.tolist():
+        model.pop(k, None)
+    probe = np.arange(100, dtype=np.uint32)
+    np.testing.assert_array_equal(t.find(probe), [model.get(k, -1) for k in probe.tolist()])
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_batch_shapes_scalars_and_empty_batches(storage):
+  t = storage.create(16, key=jnp.int32, value=jax.ShapeDtypeStruct((2,), jnp.float32), default=-1.0)
+  keys = jnp.arange(6, dtype=jnp.int32).reshape(2, 3)
+  t = t.insert(keys, jnp.ones((2, 3, 2)))
+  assert t.find(keys).shape == (2, 3, 2)
+  assert t.contains(keys).shape == (2, 3)
+  t = t.insert(10, jnp.array([5.0, 6.0]))
+  assert t.find(10).tolist() == [5.0, 6.0] and t.contains(10).shape == ()
+  values, found = t.lookup(11)
+  assert values.tolist() == [-1.0, -1.0] and not bool(found)
+  empty = jnp.zeros((0,), jnp.int32)
+  assert t.insert(empty, jnp.zeros((0, 2))) is t
+  assert t.remove(empty) is t
+  assert t.find(empty).shape == (0, 2) and t.contains(empty).shape == (0,)
+  t2, got = t.find_or_insert(empty, jnp.zeros((0, 2)))
+  assert t2 is t and got.shape == (0, 2)
+  assert int(t.size) == 7
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_dynamic_default(storage):
+  t = storage.create(8, key=jnp.int32, value={"a": jnp.float32, "b": jax.ShapeDtypeStruct((2,), jnp.int32)}, default=0)
+  t = t.insert(jnp.array([1]), {"a": jnp.array([1.5]), "b": jnp.array([[1, 2]])})
+  got = t.find(jnp.array([1, 2, 3]), default={"a": jnp.array([7.0, 8.0, 9.0]), "b": -1})
+  assert got["a"].tolist() == [1.5, 8.0, 9.0]
+  assert got["b"].tolist() == [[1, 2], [-1, -1], [-1, -1]]
+  assert t.find(jnp.array([3]))["b"].tolist() == [[0, 0]]
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_export_import_and_resize_round_trip(storage):
+  rng = np.random.default_rng(3)
+  keys = rng.choice(2**31, size=40, replace=False).astype(np.int32)
+  t = storage.create(64, key=jnp.int32, value=jnp.float32).insert(keys, keys.astype(np.float32))
+  k, v, valid = t.export()
+  assert k.shape == (64,) and int(valid.sum()) == 40
+  back = storage.create(40, key=jnp.int32, value=jnp.float32).import_(k, v, valid)
+  np.testing.assert_array_equal(back.find(keys), keys.astype(np.float32))
+  for capacity in (40, 1000):
+    resized = t.resize(capacity)
+    assert resized.capacity == capacity and int(resized.size) == 40
+    np.testing.assert_array_equal(resized.find(keys), keys.astype(np.float32))
+  with pytest.raises(ValueError, match="capacity"):
+    t.resize(39)
+
+
+def test_sorted_table_exports_in_key_order():
+  keys = np.array([5, -3, 2**31 - 1, -(2**31), 0], np.int32)
+  t = jr.SortedTable.create(8, key=jnp.int32, value=jnp.int32).insert(keys, np.arange(5, dtype=np.int32))
+  k, v, valid = t.export()
+  assert k[valid].tolist() == sorted(keys.tolist())
+  pair = jr.SortedTable.create(4, key=jax.ShapeDtypeStruct((2,), jnp.uint64), value=jnp.int32)
+  rows = np.array([[2, 1], [1, 2**64 - 1], [1, 0]], np.uint64)
+  k, _, valid = pair.insert(rows, np.zeros(3, np.int32)).export()
+  assert np.asarray(k)[np.asarray(valid)].tolist() == sorted(rows.tolist())
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_same_inputs_same_layout(storage):
+  keys = np.random.default_rng(4).integers(0, 50, size=64).astype(np.int32)
+
+  def build():
+    t = storage.create(40, key=jnp.int32, value=jnp.int32)
+    t = t.insert(keys, np.arange(64, dtype=np.int32))
+    return t.remove(keys[::3])
+
+  a, b = build(), build()
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(x, y)
