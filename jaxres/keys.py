@@ -62,7 +62,9 @@ def join64(pairs, dtype=np.int64):
   if dtype not in (np.int64, np.uint64):
     raise TypeError(f"dtype: expected int64 or uint64, got {dtype}.")
   if getattr(pairs, "dtype", np.uint32) != np.uint32 or np.shape(pairs)[-1:] != (2,):
-    raise TypeError(f"pairs: expected uint32[..., 2], got {getattr(pairs, 'dtype', type(pairs))}{list(np.shape(pairs))}.")
+    raise TypeError(
+      f"pairs: expected uint32[..., 2], got {getattr(pairs, 'dtype', type(pairs))}{list(np.shape(pairs))}."
+    )
   if codec.x64_enabled():
     return codec.join64_jax(jax.numpy.asarray(pairs), dtype)
   if codec.is_traced(pairs):

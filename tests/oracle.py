@@ -40,13 +40,13 @@ class Kind:
     extremes = np.array([info.min, info.max, 0, 1, info.max - 1], dtype=self.key_dtype)
     spread = rng.integers(info.min, info.max, size=pool, dtype=self.key_dtype, endpoint=True)
     pool_keys = np.concatenate([extremes, spread])
-    shape = (n,) + self.key_shape
+    shape = (n, *self.key_shape)
     return pool_keys[rng.integers(0, pool_keys.size, size=shape)]
 
   def values(self, rng: np.random.Generator, n: int):
     def leaf(spec):
       spec = spec if isinstance(spec, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct((), spec)
-      shape = (n,) + tuple(spec.shape)
+      shape = (n, *tuple(spec.shape))
       dtype = np.dtype(spec.dtype)
       if dtype.kind == "f":
         return rng.integers(-100, 100, size=shape).astype(dtype) / 4
@@ -61,7 +61,10 @@ KINDS = [
   Kind("int64", jnp.int64, jnp.int32, -5),
   Kind("uint64", jnp.uint64, jax.ShapeDtypeStruct((3,), jnp.float32), 0.5),
   Kind(
-    "pair_int32", jax.ShapeDtypeStruct((2,), jnp.int32), {"emb": jax.ShapeDtypeStruct((2,), jnp.float32), "n": jnp.int32}, 0
+    "pair_int32",
+    jax.ShapeDtypeStruct((2,), jnp.int32),
+    {"emb": jax.ShapeDtypeStruct((2,), jnp.float32), "n": jnp.int32},
+    0,
   ),
   Kind("pair_int64", jax.ShapeDtypeStruct((2,), jnp.int64), jnp.float32, 0.0),
 ]
@@ -85,11 +88,13 @@ class DictTable:
     self.data: dict[Any, tuple] = {}
     self.dropped = 0
     probe = kind.values(np.random.default_rng(0), 1)
-    default = jax.tree.map(lambda d, x: np.broadcast_to(np.asarray(d, x.dtype), x.shape[1:]), _default_tree(kind), probe)
+    default = jax.tree.map(
+      lambda d, x: np.broadcast_to(np.asarray(d, x.dtype), x.shape[1:]), _default_tree(kind), probe
+    )
     self.default = tuple(np.asarray(x) for x in jax.tree.leaves(default))
 
   def _keys(self, keys):
-    arr = np.asarray(keys).reshape((-1,) + self.kind.key_shape)
+    arr = np.asarray(keys).reshape((-1, *self.kind.key_shape))
     return [_key(row) for row in arr]
 
   def insert(self, keys, values):

@@ -26,7 +26,9 @@ def test_random_operations_match_dict(storage, kind):
   capacity = 12
   table, model = kind.create(storage, capacity), DictTable(kind, capacity)
   for step in range(40):
-    op = rng.choice(["insert", "find_or_insert", "apply", "remove", "find", "import"], p=[0.3, 0.2, 0.2, 0.15, 0.1, 0.05])
+    op = rng.choice(
+      ["insert", "find_or_insert", "apply", "remove", "find", "import"], p=[0.3, 0.2, 0.2, 0.15, 0.1, 0.05]
+    )
     keys, values = kind.keys(rng, BATCH, pool=16), kind.values(rng, BATCH)
     if op == "insert":
       table = table.insert(keys, values)
@@ -142,7 +144,9 @@ def test_batch_shapes_scalars_and_empty_batches(storage):
 
 @pytest.mark.parametrize("storage", STORAGES)
 def test_dynamic_default(storage):
-  t = storage.create(8, key=jnp.int32, value={"a": jnp.float32, "b": jax.ShapeDtypeStruct((2,), jnp.int32)}, default=0)
+  t = storage.create(
+    8, key=jnp.int32, value={"a": jnp.float32, "b": jax.ShapeDtypeStruct((2,), jnp.int32)}, default=0
+  )
   t = t.insert(jnp.array([1]), {"a": jnp.array([1.5]), "b": jnp.array([[1, 2]])})
   got = t.find(jnp.array([1, 2, 3]), default={"a": jnp.array([7.0, 8.0, 9.0]), "b": -1})
   assert got["a"].tolist() == [1.5, 8.0, 9.0]
@@ -170,7 +174,7 @@ def test_export_import_and_resize_round_trip(storage):
 def test_sorted_table_exports_in_key_order():
   keys = np.array([5, -3, 2**31 - 1, -(2**31), 0], np.int32)
   t = jr.SortedTable.create(8, key=jnp.int32, value=jnp.int32).insert(keys, np.arange(5, dtype=np.int32))
-  k, v, valid = t.export()
+  k, _v, valid = t.export()
   assert k[valid].tolist() == sorted(keys.tolist())
   pair = jr.SortedTable.create(4, key=jax.ShapeDtypeStruct((2,), jnp.uint64), value=jnp.int32)
   rows = np.array([[2, 1], [1, 2**64 - 1], [1, 0]], np.uint64)

@@ -46,12 +46,16 @@ def test_jit_matches_eager_without_retracing(storage, op):
 
   jitted = jax.jit(traced)
   _assert_same(jitted(t, keys, values), fn(t, keys, values))
-  _assert_same(jitted(t.insert(keys, values), keys + 1, values * 2), fn(t.insert(keys, values), keys + 1, values * 2))
+  _assert_same(
+    jitted(t.insert(keys, values), keys + 1, values * 2), fn(t.insert(keys, values), keys + 1, values * 2)
+  )
   assert len(traces) == 1
 
 
 @pytest.mark.parametrize("storage", STORAGES)
-@pytest.mark.parametrize("op", ["find", "lookup", "contains", "insert", "find_or_insert", "remove", "insert_or_apply"])
+@pytest.mark.parametrize(
+  "op", ["find", "lookup", "contains", "insert", "find_or_insert", "remove", "insert_or_apply"]
+)
 def test_vmap_over_keys_matches_loop(storage, op):
   t = _table(storage)
   keys = jnp.array([[1, 4, 4], [2, 2, 5], [7, 3, 1]], jnp.int32)
@@ -65,7 +69,11 @@ def test_vmap_over_keys_matches_loop(storage, op):
 @pytest.mark.parametrize("op", ["find", "insert", "find_or_insert", "remove", "insert_or_apply", "export"])
 def test_vmap_over_stacked_tables_matches_loop(storage, op):
   base = _table(storage)
-  tables = [base, base.insert(jnp.array([4, 5], jnp.int32), jnp.array([4.0, 5.0])), base.remove(jnp.array([1, 2]))]
+  tables = [
+    base,
+    base.insert(jnp.array([4, 5], jnp.int32), jnp.array([4.0, 5.0])),
+    base.remove(jnp.array([1, 2])),
+  ]
   stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *tables)
   keys = jnp.array([[1, 4, 6], [5, 5, 2], [3, 1, 1]], jnp.int32)
   values = jnp.arange(9, dtype=jnp.float32).reshape(3, 3)

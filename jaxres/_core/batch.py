@@ -46,7 +46,7 @@ def group(words: jax.Array, active: jax.Array | None = None, prefix: jax.Array |
   keys = [] if active is None else [(~active).astype(jnp.uint32)]
   keys += [] if prefix is None else [prefix]
   keys += [words[:, j] for j in range(num_words)]
-  *_, perm = lax.sort(tuple(keys) + (index,), num_keys=len(keys), is_stable=True)
+  *_, perm = lax.sort((*tuple(keys), index), num_keys=len(keys), is_stable=True)
   sorted_words = words[perm]
   sorted_active = jnp.ones(n, bool) if active is None else active[perm]
   differs = jnp.any(sorted_words[1:] != sorted_words[:-1], axis=1)

@@ -136,9 +136,7 @@ class KeySpec:
       try:
         dtype, shape = np.dtype(key), ()
       except TypeError:
-        raise TypeError(
-          f"key: expected an integer dtype or jax.ShapeDtypeStruct, got {key!r}."
-        ) from None
+        raise TypeError(f"key: expected an integer dtype or jax.ShapeDtypeStruct, got {key!r}.") from None
     if dtype not in KEY_DTYPES:
       raise TypeError(
         f"key: expected one of int32, uint32, int64, uint64, got {dtype}. "
@@ -215,7 +213,7 @@ class KeySpec:
   def _encode_jax(self, keys, name):
     self._check_dtype(keys.dtype, keys.shape, name)
     if self._is_pairs(keys.dtype, keys.shape):
-      batch = _check_trailing(keys.shape, self.shape + (2,), name, f"{self} word-pair keys")
+      batch = _check_trailing(keys.shape, (*self.shape, 2), name, f"{self} word-pair keys")
       words = self._flip(keys)
     elif self.wide:
       batch = _check_trailing(keys.shape, self.shape, name, f"{self} keys")
@@ -223,18 +221,18 @@ class KeySpec:
     else:
       batch = _check_trailing(keys.shape, self.shape, name, f"{self} keys")
       words = self._flip(jax.lax.bitcast_convert_type(keys.astype(self.dtype), jnp.uint32))
-    return words.reshape(batch + (self.num_words,)), batch
+    return words.reshape((*batch, self.num_words)), batch
 
   def _encode_host(self, arr: np.ndarray, name):
     if self._is_pairs(arr.dtype, arr.shape):
-      batch = _check_trailing(arr.shape, self.shape + (2,), name, f"{self} word-pair keys")
+      batch = _check_trailing(arr.shape, (*self.shape, 2), name, f"{self} word-pair keys")
       words = arr
     else:
       batch = _check_trailing(arr.shape, self.shape, name, f"{self} keys")
       arr = arr.astype(self.dtype, copy=False)
       words = split64_host(arr) if self.wide else arr.view(np.uint32)
     words = self._flip_host(np.asarray(words, dtype=np.uint32))
-    return jnp.asarray(words.reshape(batch + (self.num_words,))), batch
+    return jnp.asarray(words.reshape((*batch, self.num_words))), batch
 
   def encode_zero(self) -> jax.Array:
     """The words of the all-zero key (padding in exports)."""

@@ -189,7 +189,7 @@ class OpenAddressingTable(Table):
     words = self.keys.reshape(-1, self.key_spec.num_words)
     out_words = jnp.zeros((self.capacity, words.shape[1]), jnp.uint32).at[target].set(words, mode="drop")
     leaves = [
-      jnp.zeros((self.capacity,) + v.shape[1:], v.dtype).at[target].set(v, mode="drop") for v in self.values
+      jnp.zeros((self.capacity, *v.shape[1:]), v.dtype).at[target].set(v, mode="drop") for v in self.values
     ]
     return out_words, leaves, jnp.arange(self.capacity) < self.size
 

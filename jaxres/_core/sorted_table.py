@@ -130,7 +130,7 @@ def _merge(table: SortedTable, words, rows, fresh):
   dead = jnp.concatenate([~table.live, ~fresh]).astype(jnp.uint32)
   index = jnp.arange(all_words.shape[0], dtype=jnp.int32)
   columns = tuple(all_words[:, j] for j in range(all_words.shape[1]))
-  *_, order = lax.sort((dead,) + columns + (index,), num_keys=1 + len(columns))
+  *_, order = lax.sort((dead, *columns, index), num_keys=1 + len(columns))
   order = order[:capacity]
   num_live = jnp.sum(dead == 0, dtype=jnp.int32)
   values = tuple(jnp.concatenate([v, r])[order] for v, r in zip(table.values, rows))

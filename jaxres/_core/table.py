@@ -21,7 +21,8 @@ import abc
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -107,7 +108,7 @@ class Table(abc.ABC):
   def _values(self, values, batch, name="values"):
     n = math.prod(batch)
     leaves = self.value_spec.to_storage(values, batch, name)
-    return [x.reshape((n,) + x.shape[len(batch) :]) for x in leaves]
+    return [x.reshape((n, *x.shape[len(batch) :])) for x in leaves]
 
   def _output(self, leaves, batch):
     return self.value_spec.from_storage([x.reshape(batch + x.shape[1:]) for x in leaves])
@@ -120,7 +121,7 @@ class Table(abc.ABC):
     return self.value_spec.to_storage(default, batch, "default", broadcast=True)
 
   def _empty_result(self, batch):
-    return self._output([x.reshape((0,) + x.shape[len(batch) :]) for x in self._default(None, batch)], batch)
+    return self._output([x.reshape((0, *x.shape[len(batch) :])) for x in self._default(None, batch)], batch)
 
   # ------------------------------------------------------------- queries
 
@@ -174,7 +175,7 @@ class Table(abc.ABC):
     if not words.shape[0]:
       return self._empty_result(batch), jnp.zeros(batch, bool)
     n = words.shape[0]
-    flat_defaults = [d.reshape((n,) + d.shape[len(batch) :]) for d in defaults]
+    flat_defaults = [d.reshape((n, *d.shape[len(batch) :])) for d in defaults]
     leaves, found = _lookup(self, words, flat_defaults)
     return self._output(leaves, batch), found.reshape(batch)
 

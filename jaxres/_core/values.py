@@ -45,7 +45,7 @@ class LeafSpec:
 
   @property
   def storage_shape(self) -> tuple[int, ...]:
-    return self.shape + (2,) if self.wide else self.shape
+    return (*self.shape, 2) if self.wide else self.shape
 
   def __str__(self) -> str:
     return f"{self.dtype}{list(self.shape)}"

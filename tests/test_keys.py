@@ -1,0 +1,110 @@
+"""64-bit keys and values stay exact with jax_enable_x64 off and on.
+
+This module runs in the main suite (x64 off, JAX's default) and again in a
+subprocess with JAX_ENABLE_X64=1 (see ``test_x64_suite``), together with the
+64-bit cases of the oracle tests.
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from oracle import STORAGES
+
+import jaxres as jr
+
+X64 = bool(jax.config.read("jax_enable_x64"))
+EDGE_INT64 = np.array([-(2**63), -(2**32) - 1, -1, 0, 2**31, 2**32 + 7, 2**63 - 1], np.int64)
+
+
+def test_split_join_round_trip():
+  pairs = jr.keys.split64(EDGE_INT64)
+  assert pairs.dtype == jnp.uint32 and pairs.shape == (7, 2)
+  assert pairs[2].tolist() == [2**32 - 1, 2**32 - 1]  # -1: all ones
+  np.testing.assert_array_equal(np.asarray(jr.keys.join64(pairs, np.int64)), EDGE_INT64)
+  big = np.array([2**64 - 1, 2**63], np.uint64)
+  np.testing.assert_array_equal(np.asarray(jr.keys.join64(jr.keys.split64(big), np.uint64)), big)
+  with pytest.raises(TypeError, match="x"):
+    jr.keys.split64(np.ones(2))
+  with pytest.raises(TypeError, match="pairs"):
+    jr.keys.join64(np.ones((2, 3), np.uint32))
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_int64_keys_and_values_exact_on_the_host(storage):
+  t = storage.create(16, key=jnp.int64, value=jnp.int64, default=-7)
+  values = EDGE_INT64[::-1].copy()
+  t = t.insert(EDGE_INT64, values)
+  np.testing.assert_array_equal(np.asarray(t.find(EDGE_INT64)), values)
+  # Keys differing only in the high word must not collide.
+  assert not bool(t.contains(np.array([2**32], np.int64)))
+  keys, got, valid = t.export()
+  assert np.asarray(keys).dtype == np.int64 and np.asarray(got).dtype == np.int64
+  order = np.argsort(np.asarray(keys)[np.asarray(valid)])
+  np.testing.assert_array_equal(np.sort(np.asarray(keys)[np.asarray(valid)]), np.sort(EDGE_INT64))
+  if storage is jr.SortedTable:
+    np.testing.assert_array_equal(order, np.arange(7))
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_int64_keys_inside_jit(storage):
+  t = storage.create(16, key=jnp.uint64, value=jnp.float32, default=0.0)
+  keys = np.array([2**64 - 1, 1, 2**40], np.uint64)
+  arg = jnp.asarray(keys) if X64 else jr.keys.split64(keys)
+
+  @jax.jit
+  def step(t, k):
+    t = t.insert(k, jnp.array([1.0, 2.0, 3.0]))
+    return t, t.find(k), t.export()[0]
+
+  t, found, exported = step(t, arg)
+  assert found.tolist() == [1.0, 2.0, 3.0]
+  if X64:
+    assert exported.dtype == jnp.uint64
+    assert sorted(np.asarray(exported)[:3].tolist()) == sorted(keys.tolist())
+  else:
+    assert exported.dtype == jnp.uint32 and exported.shape == (16, 2)
+    assert sorted(np.asarray(jr.keys.join64(exported[:3], np.uint64)).tolist()) == sorted(keys.tolist())
+
+
+def test_truncated_int32_is_rejected_in_both_modes():
+  t = jr.OpenAddressingTable.create(8, key=jnp.int64, value=jnp.float32)
+  with pytest.raises(TypeError, match="keys"):
+    t.insert(jnp.array([1, 2], jnp.int32), jnp.ones(2))
+  with pytest.raises(TypeError, match="keys"):
+    t.find(np.array([1, 2], np.int32))
+
+
+def test_float64_values_follow_jax_precision():
+  t = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.float64)
+  t = t.insert(np.array([1], np.int32), np.array([0.1], np.float64))
+  got = t.find(np.array([1], np.int32))
+  assert got.dtype == (jnp.float64 if X64 else jnp.float32)
+  assert float(got[0]) == (0.1 if X64 else float(np.float32(0.1)))
+
+
+@pytest.mark.skipif(X64, reason="this is the launcher of the x64 run")
+def test_x64_suite():
+  """The 64-bit tests again, in a process with jax_enable_x64 on."""
+  here = os.path.dirname(__file__)
+  env = {**os.environ, "JAX_ENABLE_X64": "1"}
+  selection = ["test_keys.py", "test_table.py::test_random_operations_match_dict"]
+  cmd = [
+    sys.executable,
+    "-m",
+    "pytest",
+    "-q",
+    "-p",
+    "no:xdist",
+    "-p",
+    "no:cacheprovider",
+    "-k",
+    "int64 or not random",
+  ]
+  result = subprocess.run(cmd + selection, cwd=here, env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  assert " passed" in result.stdout

@@ -1,0 +1,102 @@
+"""Hypothesis drives random operation sequences against the dict oracle."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from oracle import KINDS, STORAGES, DictTable, assert_matches, assert_rows_equal, table_rows
+
+BATCH = 4
+CAPACITIES = (6, 10)
+
+
+def _add(old, new):
+  return jax.tree.map(jnp.add, old, new)
+
+
+def _add_rows(old, new):
+  return tuple(a + b for a, b in zip(old, new))
+
+
+def machine_for(storage, kind):
+  class TableMachine(RuleBasedStateMachine):
+    def __init__(self):
+      super().__init__()
+      self.capacity = CAPACITIES[0]
+      self.table = kind.create(storage, self.capacity)
+      self.model = DictTable(kind, self.capacity)
+      self.pool = kind.keys(np.random.default_rng(0), 10, pool=10)
+
+    def _batch(self, picks, seed):
+      keys = self.pool[np.asarray(picks)]
+      return keys, kind.values(np.random.default_rng(seed), BATCH)
+
+    batches = st.lists(st.integers(0, 9), min_size=BATCH, max_size=BATCH)
+    seeds = st.integers(0, 2**16)
+
+    @rule(picks=batches, seed=seeds)
+    def insert(self, picks, seed):
+      keys, values = self._batch(picks, seed)
+      self.table = self.table.insert(keys, values)
+      self.model.insert(keys, values)
+
+    @rule(picks=batches, seed=seeds)
+    def find_or_insert(self, picks, seed):
+      keys, values = self._batch(picks, seed)
+      self.table, got = self.table.find_or_insert(keys, values)
+      assert_rows_equal(table_rows(got, BATCH), self.model.find_or_insert(keys, values))
+
+    @rule(picks=batches, seed=seeds)
+    def insert_or_apply(self, picks, seed):
+      keys, values = self._batch(picks, seed)
+      self.table = self.table.insert_or_apply(keys, values, _add)
+      self.model.insert_or_apply(keys, values, _add_rows)
+
+    @rule(picks=batches)
+    def remove(self, picks):
+      keys, _ = self._batch(picks, 0)
+      self.table = self.table.remove(keys)
+      self.model.remove(keys)
+
+    @rule(picks=batches)
+    def find(self, picks):
+      keys, _ = self._batch(picks, 0)
+      values, found = self.table.lookup(keys)
+      assert_rows_equal(table_rows(values, BATCH), self.model.find(keys))
+      np.testing.assert_array_equal(found, self.model.contains(keys))
+
+    @rule(mask_seed=seeds)
+    def reimport_export(self, mask_seed):
+      keys, values, valid = self.table.export()
+      keep = np.asarray(valid) & (np.random.default_rng(mask_seed).random(valid.shape[0]) < 0.8)
+      self.table = self.table.import_(keys, values, keep)
+      self.model.import_(keys, values, keep)
+
+    @rule()
+    def resize(self):
+      capacity = CAPACITIES[1] if self.capacity == CAPACITIES[0] else CAPACITIES[0]
+      if len(self.model.data) > capacity:
+        with pytest.raises(ValueError, match="capacity"):
+          self.table.resize(capacity)
+        return
+      self.table, self.capacity = self.table.resize(capacity), capacity
+      self.model.capacity, self.model.dropped = capacity, 0
+
+    @invariant()
+    def matches_model(self):
+      assert_matches(self.table, self.model)
+
+  TableMachine.TestCase.settings = settings(
+    max_examples=25, stateful_step_count=25, deadline=None, suppress_health_check=list(HealthCheck)
+  )
+  return TableMachine
+
+
+_KINDS = {k.name: k for k in KINDS}
+for _storage in STORAGES:
+  for _kind in ("int64", "pair_int32", "uint64"):
+    _name = f"Test{_storage.__name__}_{_kind}"
+    globals()[_name] = machine_for(_storage, _KINDS[_kind]).TestCase
