@@ -1,41 +1,47 @@
 """Open addressing over buckets, with overflow counts instead of tombstones.
 
-Layout: ``num_buckets`` buckets of ``bucket_size`` slots. A key's home bucket
+Layout: ``num_buckets`` buckets of ``bucket_size`` slots. Each bucket is one
+``uint32`` record: the key words of its slots, a bitmask of occupied slots
+and an overflow count, so a probe is a single gather. A key's home bucket
 comes from its hash; the key lives in the first bucket at or after home (in
 probe order, wrapping) that had a free slot when it was inserted.
 
-* **Probing is vectorised.** One gather fetches a whole bucket (all its
-  slots' key words and occupancy) per key; only keys that miss and whose
-  bucket overflowed go round the loop again, a bucket at a time.
-* **No tombstones.** ``overflow[b]`` counts the live entries that probed past
-  bucket ``b`` (their home is at or before ``b`` and they live after it). A
-  search stops at the first bucket that holds the key or has no overflow.
-  Removing an entry decrements the counts it incremented, so probe chains
-  shrink again instead of filling up with deleted markers.
-* **Conflicts are resolved by rank, not by racing scatters.** New keys are
-  sorted by home bucket; the r-th new key for a bucket takes that bucket's
-  r-th free slot, and the rest move on together to the next bucket.
-
-Per-call work is O(batch x bucket_size) plus the rare overflow rounds; the
-capacity only enters through the number of buckets.
+* **No tombstones.** A bucket's overflow count is the number of live entries
+  that probed past it. A search stops at the first bucket that holds the key
+  or has no overflow; removing an entry decrements the counts it incremented,
+  so probe chains shrink again instead of filling up with deleted markers.
+* **Conflicts resolved by claims, not by racing scatters.** New keys choose a
+  free slot of their bucket and claim it with an integer scatter-min of their
+  batch index into ``claims`` (one int32 per slot, ``_FREE`` between calls).
+  Integer min does not depend on the order of the writes, so the lowest batch
+  index wins on every backend; rows carrying the same key see that they lost
+  to an equal key and become duplicates of it. Last-wins updates use the same
+  claims with ``-index``. Only claimed entries are reset, so per-call work is
+  O(batch) and never touches the whole capacity.
+* **Exact when full.** When a batch might not fit, the sort-based reference
+  algorithm (:func:`table.exact_upsert`) admits new keys in batch order.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxres._core import batch as batch_lib
 from jaxres._core import codec
 from jaxres._core.hashing import hash_words
-from jaxres._core.table import Table, check_capacity, pytree_dataclass, static_field
+from jaxres._core.table import Table, check_capacity, exact_upsert, pytree_dataclass, static_field
 from jaxres._core.values import ValueSpec
 
 _MAX_LOAD = 0.75  # live entries per slot when the table holds `capacity` entries
+_FREE = np.int32(np.iinfo(np.int32).max)  # an unclaimed slot
+_LANE_MIX = np.uint32(0x9E3779B1)
 
 
 @pytree_dataclass
@@ -48,16 +54,15 @@ class OpenAddressingTable(Table):
   Example:
     >>> import jax, jax.numpy as jnp, jaxres as jr
     >>> t = jr.OpenAddressingTable.create(
-    ...     capacity=1024, key=jnp.int32,
-    ...     value=jax.ShapeDtypeStruct((2,), jnp.float32), default=0.0)
+    ...   capacity=1024, key=jnp.int32, value=jax.ShapeDtypeStruct((2,), jnp.float32), default=0.0
+    ... )
     >>> t = jax.jit(lambda t, k, v: t.insert(k, v))(t, jnp.array([4, 8]), jnp.ones((2, 2)))
     >>> t.find(jnp.array([8, 5])).tolist(), int(t.size)
     ([[1.0, 1.0], [0.0, 0.0]], 2)
   """
 
-  keys: jax.Array  # uint32[num_buckets, bucket_size, num_words]
-  occupied: jax.Array  # bool[num_buckets, bucket_size]
-  overflow: jax.Array  # int32[num_buckets]: live entries that probed past the bucket
+  buckets: jax.Array  # uint32[num_buckets, bucket_size * num_words + 2]
+  claims: jax.Array  # int32[num_buckets * bucket_size]: scratch, _FREE outside a call
   values: tuple  # leaves [num_buckets * bucket_size, *storage_shape]
   default: tuple  # leaves [*storage_shape]
   size: jax.Array  # shape=(), dtype=int32
@@ -79,40 +84,58 @@ class OpenAddressingTable(Table):
       value: a dtype, a ``jax.ShapeDtypeStruct``, or a pytree of them.
       default: value returned for missing keys; a matching pytree, scalars
         broadcast.
-      bucket_size: slots per bucket gathered in one probe.
+      bucket_size: slots per bucket, fetched by one gather (1 to 32).
 
     Raises:
       TypeError: unsupported key or value dtype, non-integer capacity.
       ValueError: ``capacity`` or ``bucket_size`` out of range.
     """
     capacity = check_capacity(capacity)
-    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or not 1 <= bucket_size <= 64:
-      raise ValueError(f"bucket_size: expected an int in [1, 64], got {bucket_size!r}.")
+    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or not 1 <= bucket_size <= 32:
+      raise ValueError(f"bucket_size: expected an int in [1, 32], got {bucket_size!r}.")
     key_spec, value_spec, default = cls._specs(key, value, default)
     return _empty(capacity, key_spec, value_spec, default, bucket_size)
 
+  # ------------------------------------------------------------- layout
+
   @property
   def num_buckets(self) -> int:
-    return self.occupied.shape[0]
+    return self.buckets.shape[0]
+
+  @property
+  def _mask_column(self) -> int:
+    return self.bucket_size * self.key_spec.num_words
 
   def _with_capacity(self, capacity):
     return _empty(capacity, self.key_spec, self.value_spec, self.default, self.bucket_size)
 
   def _home(self, words):
-    return hash_words(words) % jnp.uint32(self.num_buckets)
+    return (hash_words(words) % jnp.uint32(self.num_buckets)).astype(jnp.int32)
 
   def _group(self, words, active):
-    return batch_lib.group(words, active, prefix=self._home(words))
+    return batch_lib.group(words, active, prefix=self._home(words).astype(jnp.uint32))
+
+  def _occupancy(self, masks):
+    """uint32[N] bitmasks -> bool[N, bucket_size]."""
+    bits = jnp.arange(self.bucket_size, dtype=jnp.uint32)
+    return ((masks[:, None] >> bits) & 1).astype(bool)
+
+  def _column(self, bucket, column):
+    """Flat index of ``column`` in each ``bucket`` record."""
+    return bucket * self.buckets.shape[1] + column
+
+  # ------------------------------------------------------------ queries
 
   def _probe(self, words, bucket):
-    window = self.keys[bucket]  # one gather: [N, bucket_size, num_words]
-    match = self.occupied[bucket] & jnp.all(window == words[:, None, :], axis=-1)
+    records = self.buckets[bucket]  # the one gather: [N, record]
+    num_words = self.key_spec.num_words
+    keys = records[:, : self._mask_column].reshape(-1, self.bucket_size, num_words)
+    match = self._occupancy(records[:, self._mask_column]) & jnp.all(keys == words[:, None, :], axis=-1)
     hit = jnp.any(match, axis=-1)
-    slot = bucket.astype(jnp.int32) * self.bucket_size + jnp.argmax(match, axis=-1).astype(jnp.int32)
-    return hit, slot, ~hit & (self.overflow[bucket] > 0)
+    slot = bucket * self.bucket_size + jnp.argmax(match, axis=-1).astype(jnp.int32)
+    return hit, slot, ~hit & (records[:, self._mask_column + 1] > 0)
 
   def _locate(self, words):
-    num_buckets = jnp.uint32(self.num_buckets)
     bucket = self._home(words)
     hit, slot, more = self._probe(words, bucket)
 
@@ -122,7 +145,7 @@ class OpenAddressingTable(Table):
 
     def body(state):
       rounds, bucket, hit, slot, more = state
-      bucket = jnp.where(more, (bucket + 1) % num_buckets, bucket)
+      bucket = jnp.where(more, (bucket + 1) % self.num_buckets, bucket)
       hit2, slot2, more2 = self._probe(words, bucket)
       take = more & hit2
       return rounds + 1, bucket, hit | take, jnp.where(take, slot2, slot), more & more2
@@ -130,10 +153,34 @@ class OpenAddressingTable(Table):
     _, _, hit, slot, _ = lax.while_loop(cond, body, (jnp.int32(0), bucket, hit, slot, more))
     return hit, slot
 
+  # ---------------------------------------------------------- mutations
+
+  def _store(self, flat, slot, words, mask):
+    """Writes key words into ``slot`` and marks it occupied, where ``mask``."""
+    bucket, offset = slot // self.bucket_size, slot % self.bucket_size
+    num_words = self.key_spec.num_words
+    word_index = self._column(bucket, offset * num_words)[:, None] + jnp.arange(num_words)
+    flat = flat.at[jnp.where(mask[:, None], word_index, flat.size)].set(words, mode="drop")
+    # Distinct slots of one bucket have distinct bits, so adding them is an OR.
+    bit = jnp.uint32(1) << offset.astype(jnp.uint32)
+    return flat.at[jnp.where(mask, self._column(bucket, self._mask_column), flat.size)].add(bit, mode="drop")
+
+  def _shift_overflow(self, flat, home, slot, mask, delta: int):
+    """Adds ``delta`` to the overflow count of every bucket a key probed past."""
+    distance = (slot // self.bucket_size - home) % self.num_buckets
+    amount = jnp.uint32(delta % 2**32)
+
+    def step(r, flat):
+      passed = mask & (r < distance)
+      column = self._column((home + r) % self.num_buckets, self._mask_column + 1)
+      return flat.at[jnp.where(passed, column, flat.size)].add(amount, mode="drop")
+
+    return lax.fori_loop(0, jnp.max(jnp.where(mask, distance, 0)), step, flat)
+
   def _place(self, groups, admitted, rows):
+    """Reference placement (sorted rows): the r-th new key of a bucket takes its r-th free slot."""
     n = admitted.shape[0]
-    size, num_buckets = self.bucket_size, self.num_buckets
-    home = self._home(groups.words).astype(jnp.int32)
+    home = self._home(groups.words)
     index = jnp.arange(n, dtype=jnp.int32)
     # Rows are sorted by home bucket, so the keys competing for a bucket are
     # contiguous, and they stay together as they advance bucket by bucket.
@@ -141,52 +188,56 @@ class OpenAddressingTable(Table):
     group_start = lax.cummax(jnp.where(starts, index, 0))
 
     def cond(state):
-      rounds, _, _, _, pending = state
-      return jnp.any(pending) & (rounds < num_buckets)
+      rounds, _, _, pending = state
+      return jnp.any(pending) & (rounds < self.num_buckets)
 
     def body(state):
-      rounds, occupied, overflow, slot, pending = state
-      bucket = (home + rounds) % num_buckets
-      free = ~occupied[bucket]
-      before = jnp.cumsum(pending) - pending
+      rounds, flat, slot, pending = state
+      bucket = (home + rounds) % self.num_buckets
+      free = ~self._occupancy(flat[self._column(bucket, self._mask_column)])
+      before = jnp.cumsum(pending, dtype=jnp.int32) - pending
       rank = before - before[group_start]
       take = pending & (rank < jnp.sum(free, axis=-1))
-      nth_free = jnp.cumsum(free, axis=-1) == (rank + 1)[:, None]
-      offset = jnp.argmax(free & nth_free, axis=-1).astype(jnp.int32)
-      occupied = occupied.at[jnp.where(take, bucket, num_buckets), offset].set(True, mode="drop")
-      moving = pending & ~take
-      # Integer adds commute, so duplicate indices give the same result on every backend.
-      overflow = overflow.at[jnp.where(moving, bucket, num_buckets)].add(1, mode="drop")
-      slot = jnp.where(take, bucket * size + offset, slot)
-      return rounds + 1, occupied, overflow, slot, moving
+      nth_free = free & (jnp.cumsum(free, axis=-1) == (rank + 1)[:, None])
+      new_slot = bucket * self.bucket_size + jnp.argmax(nth_free, axis=-1).astype(jnp.int32)
+      flat = self._store(flat, new_slot, groups.words, take)
+      return rounds + 1, flat, jnp.where(take, new_slot, slot), pending & ~take
 
-    state = (jnp.int32(0), self.occupied, self.overflow, jnp.zeros(n, jnp.int32), admitted)
-    _, occupied, overflow, slot, _ = lax.while_loop(cond, body, state)
-    target = jnp.where(admitted, slot, num_buckets * size)
-    keys = self.keys.reshape(-1, self.key_spec.num_words).at[target].set(groups.words, mode="drop")
-    values = tuple(v.at[target].set(r, mode="drop") for v, r in zip(self.values, rows))
-    return dataclasses.replace(
-      self, keys=keys.reshape(self.keys.shape), occupied=occupied, overflow=overflow, values=values
+    state = (jnp.int32(0), self.buckets.reshape(-1), jnp.zeros(n, jnp.int32), admitted)
+    _, flat, slot, _ = lax.while_loop(cond, body, state)
+    flat = self._shift_overflow(flat, home, slot, admitted, +1)
+    table = dataclasses.replace(self, buckets=flat.reshape(self.buckets.shape))
+    return table._write(slot, rows, admitted)
+
+  def _upsert_rows(self, words, leaves, active, mode, fn):
+    if mode == "apply" or active is not None:
+      return exact_upsert(self, words, leaves, active, mode, fn)
+    found, slot = self._locate(words)
+    fits = self.size + jnp.sum(~found, dtype=jnp.int32) <= self.capacity
+    claim = functools.partial(_claim_upsert, words=words, leaves=leaves, found=found, slot=slot, mode=mode)
+    exact = functools.partial(exact_upsert, words=words, leaves=leaves, active=None, mode=mode, fn=None)
+    return lax.cond(fits, claim, exact, self)
+
+  def _release(self, words, slot, mask):
+    flat = self.buckets.reshape(-1)
+    bucket, offset = slot // self.bucket_size, slot % self.bucket_size
+    unset = jnp.uint32(0) - (jnp.uint32(1) << offset.astype(jnp.uint32))
+    flat = flat.at[jnp.where(mask, self._column(bucket, self._mask_column), flat.size)].add(
+      unset, mode="drop"
     )
+    flat = self._shift_overflow(flat, self._home(words), slot, mask, -1)
+    return dataclasses.replace(self, buckets=flat.reshape(self.buckets.shape))
 
-  def _release(self, groups, slot, mask):
-    num_buckets = self.num_buckets
-    home = self._home(groups.words).astype(jnp.int32)
-    distance = (slot // self.bucket_size - home) % num_buckets
-    occupied = self.occupied.reshape(-1).at[jnp.where(mask, slot, self.occupied.size)].set(False, mode="drop")
-
-    def undo_overflow(r, overflow):
-      passed = mask & (r < distance)
-      return overflow.at[jnp.where(passed, (home + r) % num_buckets, num_buckets)].add(-1, mode="drop")
-
-    longest = jnp.max(jnp.where(mask, distance, 0))
-    overflow = lax.fori_loop(0, longest, undo_overflow, self.overflow)
-    return dataclasses.replace(self, occupied=occupied.reshape(self.occupied.shape), overflow=overflow)
+  def _remove_rows(self, words):
+    found, slot = self._locate(words)
+    first, claims = _claim(self.claims, slot, found, jnp.arange(words.shape[0], dtype=jnp.int32))
+    table = dataclasses.replace(self._release(words, slot, first), claims=claims)
+    return dataclasses.replace(table, size=table.size - jnp.sum(first, dtype=jnp.int32))
 
   def _compact(self):
-    occupied = self.occupied.reshape(-1)
+    occupied = self._occupancy(self.buckets[:, self._mask_column]).reshape(-1)
     target = jnp.where(occupied, jnp.cumsum(occupied, dtype=jnp.int32) - 1, self.capacity)
-    words = self.keys.reshape(-1, self.key_spec.num_words)
+    words = self.buckets[:, : self._mask_column].reshape(-1, self.key_spec.num_words)
     out_words = jnp.zeros((self.capacity, words.shape[1]), jnp.uint32).at[target].set(words, mode="drop")
     leaves = [
       jnp.zeros((self.capacity, *v.shape[1:]), v.dtype).at[target].set(v, mode="drop") for v in self.values
@@ -194,13 +245,79 @@ class OpenAddressingTable(Table):
     return out_words, leaves, jnp.arange(self.capacity) < self.size
 
 
+def _claim(claims, slot, mask, priority):
+  """Per distinct ``slot``, the row of lowest ``priority`` wins; claims are reset after."""
+  target = jnp.where(mask, slot, claims.shape[0])
+  claims = claims.at[target].min(priority, mode="drop")
+  won = mask & (claims[jnp.where(mask, slot, 0)] == priority)
+  return won, claims.at[target].set(_FREE, mode="drop")
+
+
+def _claim_upsert(table: OpenAddressingTable, words, leaves, found, slot, mode):
+  """insert / find_or_insert when every new key is known to fit (no sorting)."""
+  n, size = words.shape[0], table.bucket_size
+  index = jnp.arange(n, dtype=jnp.int32)
+  home = table._home(words)
+  # A per-key choice among the free slots spreads distinct keys apart (fewer
+  # lost claims); equal keys make the same choice and so meet on one slot.
+  lane = (hash_words(words, seed=1) * _LANE_MIX) >> 16
+
+  def cond(state):
+    return jnp.any(state[-1])
+
+  def body(state):
+    flat, claims, bucket, slot, first, pending = state
+    free = ~table._occupancy(flat[table._column(bucket, table._mask_column)])
+    num_free = jnp.sum(free, axis=-1, dtype=jnp.int32)
+    full = num_free == 0
+    choice = (lane % jnp.maximum(num_free, 1).astype(jnp.uint32)).astype(jnp.int32)
+    pick = free & (jnp.cumsum(free, axis=-1) == (choice + 1)[:, None])
+    candidate = bucket * size + jnp.argmax(pick, axis=-1).astype(jnp.int32)
+    trying = pending & ~full
+    target = jnp.where(trying, candidate, claims.shape[0])
+    claims = claims.at[target].min(index, mode="drop")
+    owner = claims[jnp.where(trying, candidate, 0)]
+    claims = claims.at[target].set(_FREE, mode="drop")
+    won = trying & (owner == index)
+    same_key = trying & ~won & jnp.all(words[owner] == words, axis=-1)
+    flat = table._store(flat, candidate, words, won)
+    slot = jnp.where(won | same_key, candidate, slot)
+    first = jnp.where(same_key, owner, first)
+    bucket = jnp.where(pending & full, (bucket + 1) % table.num_buckets, bucket)
+    return flat, claims, bucket, slot, first, pending & ~won & ~same_key
+
+  state = (table.buckets.reshape(-1), table.claims, home, slot, index, ~found)
+  flat, claims, _, slot, first, _ = lax.while_loop(cond, body, state)
+  new_head = ~found & (first == index)
+  flat = table._shift_overflow(flat, home, slot, new_head, +1)
+  table = dataclasses.replace(
+    table,
+    buckets=flat.reshape(table.buckets.shape),
+    size=table.size + jnp.sum(new_head, dtype=jnp.int32),
+  )
+  if mode == "insert":
+    last, claims = _claim(claims, slot, jnp.ones(n, bool), -index)
+    return dataclasses.replace(table._write(slot, leaves, last), claims=claims), []
+  out = [
+    jnp.where(_expand(found, old), old, new[first]) for old, new in zip(_gather(table.values, slot), leaves)
+  ]
+  return dataclasses.replace(table._write(slot, leaves, new_head), claims=claims), out
+
+
+def _gather(values, slot):
+  return [jnp.take(v, slot, axis=0, mode="clip") for v in values]
+
+
+def _expand(mask, like):
+  return mask.reshape(mask.shape + (1,) * (like.ndim - 1))
+
+
 def _empty(capacity, key_spec, value_spec, default, bucket_size):
   num_buckets = max(1, math.ceil(capacity / (bucket_size * _MAX_LOAD)))
   slots = num_buckets * bucket_size
   return OpenAddressingTable(
-    keys=jnp.zeros((num_buckets, bucket_size, key_spec.num_words), jnp.uint32),
-    occupied=jnp.zeros((num_buckets, bucket_size), bool),
-    overflow=jnp.zeros((num_buckets,), jnp.int32),
+    buckets=jnp.zeros((num_buckets, bucket_size * key_spec.num_words + 2), jnp.uint32),
+    claims=jnp.full((slots,), _FREE, jnp.int32),
     values=tuple(value_spec.empty((slots,))),
     default=tuple(default),
     size=jnp.zeros((), jnp.int32),

@@ -112,7 +112,7 @@ class SortedTable(Table):
     fresh = admitted & ~present
     return lax.cond(jnp.any(fresh), _merge, lambda t, *_: t, table, groups.words, rows, fresh)
 
-  def _release(self, groups, slot, mask):
+  def _release(self, words, slot, mask):
     live = self.live.at[jnp.where(mask, slot, self.capacity)].set(False, mode="drop")
     return dataclasses.replace(self, live=live)
 

@@ -7,7 +7,7 @@ top of them:
 * ``_group(words, active)``: sort the batch into groups of equal keys;
 * ``_locate(words)``: ``(found, slot)`` of live entries;
 * ``_place(groups, admitted, rows)``: store new keys (admitted group heads);
-* ``_release(groups, slot, mask)``: delete entries;
+* ``_release(words, slot, mask)``: delete entries;
 * ``_compact()``: all live entries packed at the front of ``capacity`` rows.
 
 Public methods validate and encode arguments on the host, then call one jitted
@@ -343,6 +343,14 @@ class Table(abc.ABC):
     values = tuple(v.at[index].set(r, mode="drop") for v, r in zip(self.values, rows))
     return dataclasses.replace(self, values=values)
 
+  def _upsert_rows(self, words, leaves, active, mode, fn) -> tuple[Table, list]:
+    """insert / find_or_insert / insert_or_apply on flat rows; storages may specialise."""
+    return exact_upsert(self, words, leaves, active, mode, fn)
+
+  def _remove_rows(self, words) -> Table:
+    """remove on flat rows; storages may specialise."""
+    return exact_remove(self, words)
+
   @abc.abstractmethod
   def _with_capacity(self, capacity: int) -> Table:
     """An empty table with this one's specs and default and a new capacity."""
@@ -360,8 +368,8 @@ class Table(abc.ABC):
     """Stores the new keys of the ``admitted`` group heads with value ``rows``."""
 
   @abc.abstractmethod
-  def _release(self, groups, slot, mask) -> Table:
-    """Deletes the entries at ``slot`` where ``mask`` (unique keys)."""
+  def _release(self, words, slot, mask) -> Table:
+    """Deletes the entries of keys ``words`` at ``slot`` where ``mask`` (unique keys)."""
 
   @abc.abstractmethod
   def _compact(self) -> tuple[jax.Array, list, jax.Array]:
@@ -389,10 +397,21 @@ def _compact(table: Table):
 
 @jax.jit
 def _remove(table: Table, words):
+  return table._remove_rows(words)
+
+
+@functools.partial(jax.jit, static_argnames=("mode", "fn"))
+def _upsert(table: Table, words, leaves, active, *, mode: str, fn):
+  """insert ("insert"), find_or_insert ("first") and insert_or_apply ("apply")."""
+  return table._upsert_rows(words, leaves, active, mode, fn)
+
+
+def exact_remove(table: Table, words) -> Table:
+  """Removal with duplicates grouped by sorting."""
   groups = table._group(words, None)
   found, slot = table._locate(groups.words)
   release = groups.head & found
-  table = table._release(groups, slot, release)
+  table = table._release(groups.words, slot, release)
   return dataclasses.replace(table, size=table.size - jnp.sum(release, dtype=jnp.int32))
 
 
@@ -415,9 +434,12 @@ def _fold(table, groups, found, slot, rows, fn):
   return jax.lax.fori_loop(1, longest, step, acc)
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "fn"))
-def _upsert(table: Table, words, leaves, active, *, mode: str, fn):
-  """insert ("insert"), find_or_insert ("first") and insert_or_apply ("apply")."""
+def exact_upsert(table: Table, words, leaves, active, mode: str, fn) -> tuple[Table, list]:
+  """The reference batch algorithm: group by sorting, admit in batch order.
+
+  Exact in every case, including a batch that overflows the table (the new
+  keys admitted are those a one-at-a-time loop would have inserted).
+  """
   groups = table._group(words, active)
   rows = _take(leaves, groups.perm)
   found, slot = table._locate(groups.words)

@@ -1,0 +1,1 @@
+"""Performance measurements of jaxres (see ``python -m benchmarks``)."""
