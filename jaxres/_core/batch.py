@@ -73,3 +73,23 @@ def first_occurrence_rank(groups: Groups, selected: jax.Array) -> jax.Array:
   in_batch_order = unsort(groups, selected.astype(jnp.int32))
   rank = jnp.cumsum(in_batch_order) - in_batch_order
   return rank[groups.perm]
+
+
+def admit(words: jax.Array, new: jax.Array, room: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Which rows may insert when at most ``room`` new keys still fit.
+
+  Args:
+    words: uint32[N, W] key rows in batch order.
+    new: bool[N], rows whose key is not in the table.
+    room: int32 scalar, free capacity.
+
+  Returns:
+    ``(admitted, dropped)``: bool[N] in batch order, True for every row whose
+    key is among the first ``room`` distinct new keys (by first occurrence),
+    and the number of distinct new keys left out.
+  """
+  groups = group(words)
+  heads = groups.head & new[groups.perm]
+  admitted_heads = heads & (first_occurrence_rank(groups, heads) < room)
+  dropped = jnp.sum(heads, dtype=jnp.int32) - jnp.sum(admitted_heads, dtype=jnp.int32)
+  return unsort(groups, admitted_heads[groups.start]), dropped

@@ -12,12 +12,13 @@ probe order, wrapping) that had a free slot when it was inserted.
   so probe chains shrink again instead of filling up with deleted markers.
 * **Conflicts resolved by claims, not by racing scatters.** New keys choose a
   free slot of their bucket and claim it with an integer scatter-min of their
-  batch index into ``claims`` (one int32 per slot, ``_FREE`` between calls).
-  Integer min does not depend on the order of the writes, so the lowest batch
-  index wins on every backend; rows carrying the same key see that they lost
-  to an equal key and become duplicates of it. Last-wins updates use the same
-  claims with ``-index``. Only claimed entries are reset, so per-call work is
-  O(batch) and never touches the whole capacity.
+  batch index into a batch-sized scratch array, at a cell hashed from the
+  slot. Integer min does not depend on the order of the writes, so the
+  lowest batch index wins on every backend; rows carrying the same key see
+  that they lost to an equal key and become duplicates of it, and rows that
+  only met another slot in the same cell try again with a new hash. Last-wins
+  updates claim with reversed priority. The scratch is sized by the batch, so
+  per-call work is O(batch) and never touches the whole capacity.
 * **Exact when full.** When a batch might not fit, the sort-based reference
   algorithm (:func:`table.exact_upsert`) admits new keys in batch order.
 """
@@ -25,7 +26,6 @@ probe order, wrapping) that had a free slot when it was inserted.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -39,9 +39,10 @@ from jaxres._core.hashing import hash_words
 from jaxres._core.table import Table, check_capacity, exact_upsert, pytree_dataclass, static_field
 from jaxres._core.values import ValueSpec
 
-_MAX_LOAD = 0.75  # live entries per slot when the table holds `capacity` entries
-_FREE = np.int32(np.iinfo(np.int32).max)  # an unclaimed slot
-_LANE_MIX = np.uint32(0x9E3779B1)
+_MAX_LOAD = 0.5  # live entries per slot at full capacity: short probe chains, ~26 B/entry
+_FREE = np.int32(np.iinfo(np.int32).max)  # an unclaimed scratch cell
+_MIX = np.uint32(0x9E3779B1)
+_CELLS_PER_ROW = 8  # claim scratch cells per batch row: few collisions between slots
 
 
 @pytree_dataclass
@@ -62,7 +63,6 @@ class OpenAddressingTable(Table):
   """
 
   buckets: jax.Array  # uint32[num_buckets, bucket_size * num_words + 2]
-  claims: jax.Array  # int32[num_buckets * bucket_size]: scratch, _FREE outside a call
   values: tuple  # leaves [num_buckets * bucket_size, *storage_shape]
   default: tuple  # leaves [*storage_shape]
   size: jax.Array  # shape=(), dtype=int32
@@ -136,21 +136,28 @@ class OpenAddressingTable(Table):
     return hit, slot, ~hit & (records[:, self._mask_column + 1] > 0)
 
   def _locate(self, words):
+    n = words.shape[0]
     bucket = self._home(words)
     hit, slot, more = self._probe(words, bucket)
-
-    def cond(state):
-      rounds, *_, more = state
-      return jnp.any(more) & (rounds < self.num_buckets)
+    chunk = _chunk_size(n)
 
     def body(state):
-      rounds, bucket, hit, slot, more = state
-      bucket = jnp.where(more, (bucket + 1) % self.num_buckets, bucket)
-      hit2, slot2, more2 = self._probe(words, bucket)
-      take = more & hit2
-      return rounds + 1, bucket, hit | take, jnp.where(take, slot2, slot), more & more2
+      bucket, steps, hit, slot, more = state
+      # Only the few keys still probing go round again, `chunk` at a time.
+      rows, target = _pending_rows(more, chunk)
+      next_bucket = (bucket[rows] + 1) % self.num_buckets
+      hit2, slot2, more2 = self._probe(words[rows], next_bucket)
+      more2 = more2 & (steps[rows] + 1 < self.num_buckets)
+      return (
+        bucket.at[target].set(next_bucket, mode="drop"),
+        steps.at[target].add(1, mode="drop"),
+        hit.at[target].set(hit2, mode="drop"),
+        slot.at[target].set(jnp.where(hit2, slot2, slot[rows]), mode="drop"),
+        more.at[target].set(more2, mode="drop"),
+      )
 
-    _, _, hit, slot, _ = lax.while_loop(cond, body, (jnp.int32(0), bucket, hit, slot, more))
+    state = (bucket, jnp.zeros(n, jnp.int32), hit, slot, more)
+    _, _, hit, slot, _ = lax.while_loop(lambda s: jnp.any(s[-1]), body, state)
     return hit, slot
 
   # ---------------------------------------------------------- mutations
@@ -213,10 +220,16 @@ class OpenAddressingTable(Table):
     if mode == "apply" or active is not None:
       return exact_upsert(self, words, leaves, active, mode, fn)
     found, slot = self._locate(words)
-    fits = self.size + jnp.sum(~found, dtype=jnp.int32) <= self.capacity
-    claim = functools.partial(_claim_upsert, words=words, leaves=leaves, found=found, slot=slot, mode=mode)
-    exact = functools.partial(exact_upsert, words=words, leaves=leaves, active=None, mode=mode, fn=None)
-    return lax.cond(fits, claim, exact, self)
+    room = self.capacity - self.size
+    # Only a batch that may not fit needs the (sorting) exact admission. The
+    # cond returns a row mask, never the table, so the table is not copied.
+    admitted, dropped = lax.cond(
+      jnp.sum(~found, dtype=jnp.int32) <= room,
+      lambda: (~found, jnp.int32(0)),
+      lambda: batch_lib.admit(words, ~found, room),
+    )
+    table, out = _claim_upsert(self, words, leaves, found, slot, admitted, mode)
+    return dataclasses.replace(table, dropped=table.dropped + dropped), out
 
   def _release(self, words, slot, mask):
     flat = self.buckets.reshape(-1)
@@ -230,8 +243,8 @@ class OpenAddressingTable(Table):
 
   def _remove_rows(self, words):
     found, slot = self._locate(words)
-    first, claims = _claim(self.claims, slot, found, jnp.arange(words.shape[0], dtype=jnp.int32))
-    table = dataclasses.replace(self._release(words, slot, first), claims=claims)
+    first = _first_per_slot(slot, found)
+    table = self._release(words, slot, first)
     return dataclasses.replace(table, size=table.size - jnp.sum(first, dtype=jnp.int32))
 
   def _compact(self):
@@ -245,28 +258,86 @@ class OpenAddressingTable(Table):
     return out_words, leaves, jnp.arange(self.capacity) < self.size
 
 
-def _claim(claims, slot, mask, priority):
-  """Per distinct ``slot``, the row of lowest ``priority`` wins; claims are reset after."""
-  target = jnp.where(mask, slot, claims.shape[0])
-  claims = claims.at[target].min(priority, mode="drop")
-  won = mask & (claims[jnp.where(mask, slot, 0)] == priority)
-  return won, claims.at[target].set(_FREE, mode="drop")
+def _chunk_size(n: int) -> int:
+  """Rows handled per round of a loop that only rare rows enter."""
+  return min(n, max(64, n // 8))
 
 
-def _claim_upsert(table: OpenAddressingTable, words, leaves, found, slot, mode):
-  """insert / find_or_insert when every new key is known to fit (no sorting)."""
+def _pending_rows(mask, chunk: int):
+  """Up to ``chunk`` indices of True rows: ``(rows, target)``.
+
+  ``rows`` is safe to gather with; ``target`` is ``rows`` with unused entries
+  pointing past the end, for scatters with ``mode="drop"``.
+  """
+  n = mask.shape[0]
+  position = jnp.cumsum(mask, dtype=jnp.int32) - 1
+  keep = mask & (position < chunk)
+  target = (
+    jnp.full((chunk,), n, jnp.int32)
+    .at[jnp.where(keep, position, chunk)]
+    .set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+  )
+  return jnp.minimum(target, n - 1), target
+
+
+def _cells(slot, rounds, num_cells: int):
+  """Scratch cell of each slot in claim round ``rounds`` (a fresh hash per round)."""
+  mixed = (slot.astype(jnp.uint32) ^ (rounds.astype(jnp.uint32) * np.uint32(0x85EBCA6B))) * _MIX
+  return (mixed >> np.uint32(32 - num_cells.bit_length() + 1)).astype(jnp.int32)
+
+
+def _num_cells(n: int) -> int:
+  return 1 << max(1, (_CELLS_PER_ROW * n - 1).bit_length())
+
+
+def _scatter_min_owner(cells, mask, num_cells: int):
+  """For each row, the lowest masked row index that wrote to its cell."""
+  index = jnp.arange(cells.shape[0], dtype=jnp.int32)
+  scratch = (
+    jnp.full((num_cells,), _FREE, jnp.int32).at[jnp.where(mask, cells, num_cells)].min(index, mode="drop")
+  )
+  return scratch[cells]
+
+
+def _first_per_slot(slot, mask, last: bool = False):
+  """bool[N]: the first (or ``last``) masked row of each distinct ``slot``.
+
+  Ties are broken by an integer scatter-min over row indices, which gives the
+  same answer whatever order the backend applies the writes in.
+  """
+  n = slot.shape[0]
+  num_cells = _num_cells(n)
+  order = jnp.arange(n, dtype=jnp.int32)
+  rows = order[::-1] if last else order  # claim priority: position in `rows`
+  ranked_slot, ranked_mask = slot[rows], mask[rows]
+
+  def body(state):
+    rounds, pending, won = state
+    cells = _cells(ranked_slot, rounds, num_cells)
+    owner = _scatter_min_owner(cells, pending, num_cells)
+    settled = pending & (ranked_slot[jnp.minimum(owner, n - 1)] == ranked_slot)
+    return rounds + 1, pending & ~settled, won | (settled & (owner == order))
+
+  state = (jnp.int32(0), ranked_mask, jnp.zeros(n, bool))
+  _, _, won = lax.while_loop(lambda s: jnp.any(s[1]), body, state)
+  return won[rows]
+
+
+def _claim_upsert(table: OpenAddressingTable, words, leaves, found, slot, admitted, mode):
+  """insert / find_or_insert: the ``admitted`` new rows claim slots (no sorting)."""
   n, size = words.shape[0], table.bucket_size
   index = jnp.arange(n, dtype=jnp.int32)
   home = table._home(words)
+  num_cells = _num_cells(n)
   # A per-key choice among the free slots spreads distinct keys apart (fewer
   # lost claims); equal keys make the same choice and so meet on one slot.
-  lane = (hash_words(words, seed=1) * _LANE_MIX) >> 16
+  lane = (hash_words(words, seed=1) * _MIX) >> 16
 
   def cond(state):
     return jnp.any(state[-1])
 
   def body(state):
-    flat, claims, bucket, slot, first, pending = state
+    rounds, flat, bucket, slot, first, pending = state
     free = ~table._occupancy(flat[table._column(bucket, table._mask_column)])
     num_free = jnp.sum(free, axis=-1, dtype=jnp.int32)
     full = num_free == 0
@@ -274,21 +345,20 @@ def _claim_upsert(table: OpenAddressingTable, words, leaves, found, slot, mode):
     pick = free & (jnp.cumsum(free, axis=-1) == (choice + 1)[:, None])
     candidate = bucket * size + jnp.argmax(pick, axis=-1).astype(jnp.int32)
     trying = pending & ~full
-    target = jnp.where(trying, candidate, claims.shape[0])
-    claims = claims.at[target].min(index, mode="drop")
-    owner = claims[jnp.where(trying, candidate, 0)]
-    claims = claims.at[target].set(_FREE, mode="drop")
-    won = trying & (owner == index)
-    same_key = trying & ~won & jnp.all(words[owner] == words, axis=-1)
+    owner = _scatter_min_owner(_cells(candidate, rounds, num_cells), trying, num_cells)
+    owner = jnp.minimum(owner, n - 1)
+    same_slot = trying & (candidate[owner] == candidate)
+    won = same_slot & (owner == index)
+    same_key = same_slot & ~won & jnp.all(words[owner] == words, axis=-1)
     flat = table._store(flat, candidate, words, won)
     slot = jnp.where(won | same_key, candidate, slot)
     first = jnp.where(same_key, owner, first)
     bucket = jnp.where(pending & full, (bucket + 1) % table.num_buckets, bucket)
-    return flat, claims, bucket, slot, first, pending & ~won & ~same_key
+    return rounds + 1, flat, bucket, slot, first, pending & ~won & ~same_key
 
-  state = (table.buckets.reshape(-1), table.claims, home, slot, index, ~found)
-  flat, claims, _, slot, first, _ = lax.while_loop(cond, body, state)
-  new_head = ~found & (first == index)
+  state = (jnp.int32(0), table.buckets.reshape(-1), home, slot, index, admitted)
+  _, flat, _, slot, first, _ = lax.while_loop(cond, body, state)
+  new_head = admitted & (first == index)
   flat = table._shift_overflow(flat, home, slot, new_head, +1)
   table = dataclasses.replace(
     table,
@@ -296,12 +366,13 @@ def _claim_upsert(table: OpenAddressingTable, words, leaves, found, slot, mode):
     size=table.size + jnp.sum(new_head, dtype=jnp.int32),
   )
   if mode == "insert":
-    last, claims = _claim(claims, slot, jnp.ones(n, bool), -index)
-    return dataclasses.replace(table._write(slot, leaves, last), claims=claims), []
+    return table._write(slot, leaves, _first_per_slot(slot, found | admitted, last=True)), []
+  old = _gather(table.values, slot)
   out = [
-    jnp.where(_expand(found, old), old, new[first]) for old, new in zip(_gather(table.values, slot), leaves)
+    jnp.where(_expand(found, o), o, jnp.where(_expand(admitted, o), new[first], d))
+    for o, new, d in zip(old, leaves, table.default)
   ]
-  return dataclasses.replace(table._write(slot, leaves, new_head), claims=claims), out
+  return table._write(slot, leaves, new_head), out
 
 
 def _gather(values, slot):
@@ -317,7 +388,6 @@ def _empty(capacity, key_spec, value_spec, default, bucket_size):
   slots = num_buckets * bucket_size
   return OpenAddressingTable(
     buckets=jnp.zeros((num_buckets, bucket_size * key_spec.num_words + 2), jnp.uint32),
-    claims=jnp.full((slots,), _FREE, jnp.int32),
     values=tuple(value_spec.empty((slots,))),
     default=tuple(default),
     size=jnp.zeros((), jnp.int32),
