@@ -328,36 +328,47 @@ def _claim_upsert(table: OpenAddressingTable, words, leaves, found, slot, admitt
   n, size = words.shape[0], table.bucket_size
   index = jnp.arange(n, dtype=jnp.int32)
   home = table._home(words)
-  num_cells = _num_cells(n)
   # A per-key choice among the free slots spreads distinct keys apart (fewer
   # lost claims); equal keys make the same choice and so meet on one slot.
   lane = (hash_words(words, seed=1) * _MIX) >> 16
 
-  def cond(state):
-    return jnp.any(state[-1])
-
-  def body(state):
+  def claim_round(state, rows, target):
+    """One round for the rows ``rows`` (``target``: the same, for scatters)."""
     rounds, flat, bucket, slot, first, pending = state
-    free = ~table._occupancy(flat[table._column(bucket, table._mask_column)])
+    position = jnp.arange(rows.shape[0], dtype=jnp.int32)
+    active, current, row_words = pending[rows] & (target < n), bucket[rows], words[rows]
+    free = ~table._occupancy(flat[table._column(current, table._mask_column)])
     num_free = jnp.sum(free, axis=-1, dtype=jnp.int32)
     full = num_free == 0
-    choice = (lane % jnp.maximum(num_free, 1).astype(jnp.uint32)).astype(jnp.int32)
+    choice = (lane[rows] % jnp.maximum(num_free, 1).astype(jnp.uint32)).astype(jnp.int32)
     pick = free & (jnp.cumsum(free, axis=-1) == (choice + 1)[:, None])
-    candidate = bucket * size + jnp.argmax(pick, axis=-1).astype(jnp.int32)
-    trying = pending & ~full
-    owner = _scatter_min_owner(_cells(candidate, rounds, num_cells), trying, num_cells)
-    owner = jnp.minimum(owner, n - 1)
-    same_slot = trying & (candidate[owner] == candidate)
-    won = same_slot & (owner == index)
-    same_key = same_slot & ~won & jnp.all(words[owner] == words, axis=-1)
-    flat = table._store(flat, candidate, words, won)
-    slot = jnp.where(won | same_key, candidate, slot)
-    first = jnp.where(same_key, owner, first)
-    bucket = jnp.where(pending & full, (bucket + 1) % table.num_buckets, bucket)
-    return rounds + 1, flat, bucket, slot, first, pending & ~won & ~same_key
+    candidate = current * size + jnp.argmax(pick, axis=-1).astype(jnp.int32)
+    trying = active & ~full
+    num_cells = _num_cells(rows.shape[0])
+    winner = _scatter_min_owner(_cells(candidate, rounds, num_cells), trying, num_cells)
+    winner = jnp.minimum(winner, rows.shape[0] - 1)
+    same_slot = trying & (candidate[winner] == candidate)
+    won = same_slot & (winner == position)
+    same_key = same_slot & ~won & jnp.all(row_words[winner] == row_words, axis=-1)
+    return (
+      rounds + 1,
+      table._store(flat, candidate, row_words, won),
+      bucket.at[target].set(
+        jnp.where(active & full, (current + 1) % table.num_buckets, current), mode="drop"
+      ),
+      slot.at[target].set(jnp.where(won | same_key, candidate, slot[rows]), mode="drop"),
+      first.at[target].set(jnp.where(same_key, rows[winner], first[rows]), mode="drop"),
+      pending.at[target].set(active & ~won & ~same_key, mode="drop"),
+    )
+
+  def later_round(state):
+    # Few rows are left after the first round; take them a chunk at a time,
+    # lowest batch index first, so a key's first occurrence always takes part.
+    return claim_round(state, *_pending_rows(state[-1], _chunk_size(n)))
 
   state = (jnp.int32(0), table.buckets.reshape(-1), home, slot, index, admitted)
-  _, flat, _, slot, first, _ = lax.while_loop(cond, body, state)
+  state = claim_round(state, index, index)
+  _, flat, _, slot, first, _ = lax.while_loop(lambda s: jnp.any(s[-1]), later_round, state)
   new_head = admitted & (first == index)
   flat = table._shift_overflow(flat, home, slot, new_head, +1)
   table = dataclasses.replace(
