@@ -34,15 +34,13 @@ import numpy as np
 from jax import lax
 
 from jaxres._core import batch as batch_lib
-from jaxres._core import codec
+from jaxres._core import claims, codec
 from jaxres._core.hashing import hash_words
 from jaxres._core.table import Table, check_capacity, exact_upsert, pytree_dataclass, static_field
 from jaxres._core.values import ValueSpec
 
 _MAX_LOAD = 0.5  # live entries per slot at full capacity: short probe chains, ~26 B/entry
-_FREE = np.int32(np.iinfo(np.int32).max)  # an unclaimed scratch cell
-_MIX = np.uint32(0x9E3779B1)
-_CELLS_PER_ROW = 8  # claim scratch cells per batch row: few collisions between slots
+_LANE_MIX = np.uint32(0x9E3779B1)
 
 
 @pytree_dataclass
@@ -139,12 +137,12 @@ class OpenAddressingTable(Table):
     n = words.shape[0]
     bucket = self._home(words)
     hit, slot, more = self._probe(words, bucket)
-    chunk = _chunk_size(n)
+    chunk = claims.chunk_size(n)
 
     def body(state):
       bucket, steps, hit, slot, more = state
       # Only the few keys still probing go round again, `chunk` at a time.
-      rows, target = _pending_rows(more, chunk)
+      rows, target = claims.pending_rows(more, chunk)
       next_bucket = (bucket[rows] + 1) % self.num_buckets
       hit2, slot2, more2 = self._probe(words[rows], next_bucket)
       more2 = more2 & (steps[rows] + 1 < self.num_buckets)
@@ -241,12 +239,6 @@ class OpenAddressingTable(Table):
     flat = self._shift_overflow(flat, self._home(words), slot, mask, -1)
     return dataclasses.replace(self, buckets=flat.reshape(self.buckets.shape))
 
-  def _remove_rows(self, words):
-    found, slot = self._locate(words)
-    first = _first_per_slot(slot, found)
-    table = self._release(words, slot, first)
-    return dataclasses.replace(table, size=table.size - jnp.sum(first, dtype=jnp.int32))
-
   def _compact(self):
     occupied = self._occupancy(self.buckets[:, self._mask_column]).reshape(-1)
     target = jnp.where(occupied, jnp.cumsum(occupied, dtype=jnp.int32) - 1, self.capacity)
@@ -258,71 +250,6 @@ class OpenAddressingTable(Table):
     return out_words, leaves, jnp.arange(self.capacity) < self.size
 
 
-def _chunk_size(n: int) -> int:
-  """Rows handled per round of a loop that only rare rows enter."""
-  return min(n, max(64, n // 8))
-
-
-def _pending_rows(mask, chunk: int):
-  """Up to ``chunk`` indices of True rows: ``(rows, target)``.
-
-  ``rows`` is safe to gather with; ``target`` is ``rows`` with unused entries
-  pointing past the end, for scatters with ``mode="drop"``.
-  """
-  n = mask.shape[0]
-  position = jnp.cumsum(mask, dtype=jnp.int32) - 1
-  keep = mask & (position < chunk)
-  target = (
-    jnp.full((chunk,), n, jnp.int32)
-    .at[jnp.where(keep, position, chunk)]
-    .set(jnp.arange(n, dtype=jnp.int32), mode="drop")
-  )
-  return jnp.minimum(target, n - 1), target
-
-
-def _cells(slot, rounds, num_cells: int):
-  """Scratch cell of each slot in claim round ``rounds`` (a fresh hash per round)."""
-  mixed = (slot.astype(jnp.uint32) ^ (rounds.astype(jnp.uint32) * np.uint32(0x85EBCA6B))) * _MIX
-  return (mixed >> np.uint32(32 - num_cells.bit_length() + 1)).astype(jnp.int32)
-
-
-def _num_cells(n: int) -> int:
-  return 1 << max(1, (_CELLS_PER_ROW * n - 1).bit_length())
-
-
-def _scatter_min_owner(cells, mask, num_cells: int):
-  """For each row, the lowest masked row index that wrote to its cell."""
-  index = jnp.arange(cells.shape[0], dtype=jnp.int32)
-  scratch = (
-    jnp.full((num_cells,), _FREE, jnp.int32).at[jnp.where(mask, cells, num_cells)].min(index, mode="drop")
-  )
-  return scratch[cells]
-
-
-def _first_per_slot(slot, mask, last: bool = False):
-  """bool[N]: the first (or ``last``) masked row of each distinct ``slot``.
-
-  Ties are broken by an integer scatter-min over row indices, which gives the
-  same answer whatever order the backend applies the writes in.
-  """
-  n = slot.shape[0]
-  num_cells = _num_cells(n)
-  order = jnp.arange(n, dtype=jnp.int32)
-  rows = order[::-1] if last else order  # claim priority: position in `rows`
-  ranked_slot, ranked_mask = slot[rows], mask[rows]
-
-  def body(state):
-    rounds, pending, won = state
-    cells = _cells(ranked_slot, rounds, num_cells)
-    owner = _scatter_min_owner(cells, pending, num_cells)
-    settled = pending & (ranked_slot[jnp.minimum(owner, n - 1)] == ranked_slot)
-    return rounds + 1, pending & ~settled, won | (settled & (owner == order))
-
-  state = (jnp.int32(0), ranked_mask, jnp.zeros(n, bool))
-  _, _, won = lax.while_loop(lambda s: jnp.any(s[1]), body, state)
-  return won[rows]
-
-
 def _claim_upsert(table: OpenAddressingTable, words, leaves, found, slot, admitted, mode):
   """insert / find_or_insert: the ``admitted`` new rows claim slots (no sorting)."""
   n, size = words.shape[0], table.bucket_size
@@ -330,7 +257,7 @@ def _claim_upsert(table: OpenAddressingTable, words, leaves, found, slot, admitt
   home = table._home(words)
   # A per-key choice among the free slots spreads distinct keys apart (fewer
   # lost claims); equal keys make the same choice and so meet on one slot.
-  lane = (hash_words(words, seed=1) * _MIX) >> 16
+  lane = (hash_words(words, seed=1) * _LANE_MIX) >> 16
 
   def claim_round(state, rows, target):
     """One round for the rows ``rows`` (``target``: the same, for scatters)."""
@@ -344,9 +271,8 @@ def _claim_upsert(table: OpenAddressingTable, words, leaves, found, slot, admitt
     pick = free & (jnp.cumsum(free, axis=-1) == (choice + 1)[:, None])
     candidate = current * size + jnp.argmax(pick, axis=-1).astype(jnp.int32)
     trying = active & ~full
-    num_cells = _num_cells(rows.shape[0])
-    winner = _scatter_min_owner(_cells(candidate, rounds, num_cells), trying, num_cells)
-    winner = jnp.minimum(winner, rows.shape[0] - 1)
+    scratch = claims.scratch_size(rows.shape[0])
+    winner = claims.lowest_writer(claims.cell_of(candidate, rounds, scratch), trying, scratch)
     same_slot = trying & (candidate[winner] == candidate)
     won = same_slot & (winner == position)
     same_key = same_slot & ~won & jnp.all(row_words[winner] == row_words, axis=-1)
@@ -364,7 +290,7 @@ def _claim_upsert(table: OpenAddressingTable, words, leaves, found, slot, admitt
   def later_round(state):
     # Few rows are left after the first round; take them a chunk at a time,
     # lowest batch index first, so a key's first occurrence always takes part.
-    return claim_round(state, *_pending_rows(state[-1], _chunk_size(n)))
+    return claim_round(state, *claims.pending_rows(state[-1], claims.chunk_size(n)))
 
   state = (jnp.int32(0), table.buckets.reshape(-1), home, slot, index, admitted)
   state = claim_round(state, index, index)
@@ -377,7 +303,7 @@ def _claim_upsert(table: OpenAddressingTable, words, leaves, found, slot, admitt
     size=table.size + jnp.sum(new_head, dtype=jnp.int32),
   )
   if mode == "insert":
-    return table._write(slot, leaves, _first_per_slot(slot, found | admitted, last=True)), []
+    return table._write(slot, leaves, claims.first_per_slot(slot, found | admitted, last=True)), []
   old = _gather(table.values, slot)
   out = [
     jnp.where(_expand(found, o), o, jnp.where(_expand(admitted, o), new[first], d))

@@ -13,6 +13,7 @@ layout; use :class:`OpenAddressingTable` when new keys arrive every step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,14 @@ from jax import lax
 
 from jaxres._core import batch as batch_lib
 from jaxres._core import codec
-from jaxres._core.table import Table, check_capacity, pytree_dataclass, static_field
+from jaxres._core.table import (
+  Table,
+  check_capacity,
+  exact_upsert,
+  pytree_dataclass,
+  static_field,
+  update_existing,
+)
 from jaxres._core.values import ValueSpec
 
 
@@ -110,7 +118,16 @@ class SortedTable(Table):
     live = table.live.at[jnp.where(revive, position, self.capacity)].set(True, mode="drop")
     table = dataclasses.replace(table, live=live)
     fresh = admitted & ~present
-    return lax.cond(jnp.any(fresh), _merge, lambda t, *_: t, table, groups.words, rows, fresh)
+    return lax.cond(jnp.any(fresh), _merge, lambda t, *_: t, table, groups.words, rows, fresh, position)
+
+  def _upsert_rows(self, words, leaves, active, mode, fn):
+    if mode == "apply" or active is not None:
+      return exact_upsert(self, words, leaves, active, mode, fn)
+    found, slot = self._locate(words)
+    # Updating present keys needs no sorting; only new keys are merged in order.
+    update = functools.partial(update_existing, leaves=leaves, slot=slot, mode=mode)
+    merge = functools.partial(exact_upsert, words=words, leaves=leaves, active=None, mode=mode, fn=None)
+    return lax.cond(jnp.all(found), update, merge, self)
 
   def _release(self, words, slot, mask):
     live = self.live.at[jnp.where(mask, slot, self.capacity)].set(False, mode="drop")
@@ -123,23 +140,37 @@ class SortedTable(Table):
     return words, leaves, jnp.arange(self.capacity) < self.size
 
 
-def _merge(table: SortedTable, words, rows, fresh):
-  """Merges the ``fresh`` rows into the sorted prefix, dropping tombstones."""
+def _merge(table: SortedTable, words, rows, fresh, position):
+  """Merges the ``fresh`` keys into the sorted prefix, dropping tombstones.
+
+  ``words`` is in ascending key order (the batch was grouped by sorting) and
+  ``position`` is each key's lower bound in the prefix, so every entry's new
+  index follows from prefix sums: no sort of the table is needed, only one
+  O(capacity) pass that moves the entries.
+  """
   capacity = table.capacity
-  all_words = jnp.concatenate([table.keys, words])
-  dead = jnp.concatenate([~table.live, ~fresh]).astype(jnp.uint32)
-  index = jnp.arange(all_words.shape[0], dtype=jnp.int32)
-  columns = tuple(all_words[:, j] for j in range(all_words.shape[1]))
-  *_, order = lax.sort((dead, *columns, index), num_keys=1 + len(columns))
-  order = order[:capacity]
-  num_live = jnp.sum(dead == 0, dtype=jnp.int32)
-  values = tuple(jnp.concatenate([v, r])[order] for v, r in zip(table.values, rows))
+  index = jnp.arange(capacity, dtype=jnp.int32)
+  dead = ~table.live & (index < table.count)
+  dead_before = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(dead, dtype=jnp.int32)])
+  arrivals = (
+    jnp.zeros(capacity + 1, jnp.int32).at[jnp.where(fresh, position, capacity + 1)].add(1, mode="drop")
+  )
+  fresh_up_to = jnp.cumsum(arrivals, dtype=jnp.int32)  # fresh keys placed before entry i, i included
+  old_target = jnp.where(table.live, index - dead_before[:-1] + fresh_up_to[:-1], capacity)
+  fresh_rank = jnp.cumsum(fresh, dtype=jnp.int32) - fresh
+  new_target = jnp.where(fresh, position - dead_before[position] + fresh_rank, capacity)
+
+  def moved(old, new):
+    out = jnp.zeros_like(old).at[old_target].set(old, mode="drop")
+    return out.at[new_target].set(new, mode="drop")
+
+  count = table.count - dead_before[-1] + jnp.sum(fresh, dtype=jnp.int32)
   return dataclasses.replace(
     table,
-    keys=all_words[order],
-    live=jnp.arange(capacity) < num_live,
-    count=num_live,
-    values=values,
+    keys=moved(table.keys, words),
+    live=index < count,
+    count=count,
+    values=tuple(moved(v, r) for v, r in zip(table.values, rows)),
   )
 
 

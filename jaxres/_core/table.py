@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxres._core import batch as batch_lib
-from jaxres._core import codec
+from jaxres._core import claims, codec
 from jaxres._core.values import ValueSpec
 
 _MAX_CAPACITY = 2**30
@@ -348,8 +348,11 @@ class Table(abc.ABC):
     return exact_upsert(self, words, leaves, active, mode, fn)
 
   def _remove_rows(self, words) -> Table:
-    """remove on flat rows; storages may specialise."""
-    return exact_remove(self, words)
+    """remove on flat rows: the first row of each present key releases it."""
+    found, slot = self._locate(words)
+    first = claims.first_per_slot(slot, found)
+    table = self._release(words, slot, first)
+    return dataclasses.replace(table, size=table.size - jnp.sum(first, dtype=jnp.int32))
 
   @abc.abstractmethod
   def _with_capacity(self, capacity: int) -> Table:
@@ -406,15 +409,6 @@ def _upsert(table: Table, words, leaves, active, *, mode: str, fn):
   return table._upsert_rows(words, leaves, active, mode, fn)
 
 
-def exact_remove(table: Table, words) -> Table:
-  """Removal with duplicates grouped by sorting."""
-  groups = table._group(words, None)
-  found, slot = table._locate(groups.words)
-  release = groups.head & found
-  table = table._release(groups.words, slot, release)
-  return dataclasses.replace(table, size=table.size - jnp.sum(release, dtype=jnp.int32))
-
-
 def _fold(table, groups, found, slot, rows, fn):
   """insert_or_apply: each group's rows folded in batch order onto the old value."""
   treedef = table.value_spec.treedef
@@ -432,6 +426,14 @@ def _fold(table, groups, found, slot, rows, fn):
 
   longest = jnp.max(jnp.where(groups.head & groups.active, groups.length, 0))
   return jax.lax.fori_loop(1, longest, step, acc)
+
+
+def update_existing(table: Table, leaves, slot, mode: str) -> tuple[Table, list]:
+  """insert / find_or_insert when every key is present: no grouping by sorting."""
+  if mode == "insert":
+    last = claims.first_per_slot(slot, jnp.ones(slot.shape, bool), last=True)
+    return table._write(slot, leaves, last), []
+  return table, _take(table.values, slot)
 
 
 def exact_upsert(table: Table, words, leaves, active, mode: str, fn) -> tuple[Table, list]:

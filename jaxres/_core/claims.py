@@ -1,0 +1,85 @@
+"""Sort-free grouping of batch rows by slot, with deterministic claims.
+
+Rows that target the same table slot (the same key) must be told apart
+without racing scatters. Here each row writes its index into a batch-sized
+scratch array with an integer scatter-min, at a cell hashed from its slot.
+Integer min gives the same result whatever order a backend applies the
+writes in, so the lowest index wins on CPU, GPU and TPU alike. Rows that met
+a different slot in their cell try again with a new hash; every round
+settles at least one slot per contended cell. The scratch is sized by the
+batch, never by the table.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+_FREE = np.int32(np.iinfo(np.int32).max)  # an unclaimed scratch cell
+_MIX = np.uint32(0x9E3779B1)
+_CELLS_PER_ROW = 8  # scratch cells per batch row: few collisions between slots
+
+
+def chunk_size(n: int) -> int:
+  """Rows handled per round of a loop that only rare rows enter."""
+  return min(n, max(64, n // 8))
+
+
+def pending_rows(mask: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
+  """Up to ``chunk`` indices of True rows, lowest first: ``(rows, target)``.
+
+  ``rows`` is safe to gather with; ``target`` is ``rows`` with unused entries
+  pointing past the end, for scatters with ``mode="drop"``.
+  """
+  n = mask.shape[0]
+  position = jnp.cumsum(mask, dtype=jnp.int32) - 1
+  keep = mask & (position < chunk)
+  target = jnp.full((chunk,), n, jnp.int32)
+  target = target.at[jnp.where(keep, position, chunk)].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+  return jnp.minimum(target, n - 1), target
+
+
+def scratch_size(n: int) -> int:
+  """Scratch cells for a batch of ``n`` rows (a power of two)."""
+  return 1 << max(1, (_CELLS_PER_ROW * n - 1).bit_length())
+
+
+def cell_of(slot: jax.Array, rounds: jax.Array, size: int) -> jax.Array:
+  """Scratch cell of each slot in claim round ``rounds`` (a fresh hash per round)."""
+  mixed = (slot.astype(jnp.uint32) ^ (rounds.astype(jnp.uint32) * np.uint32(0x85EBCA6B))) * _MIX
+  return (mixed >> np.uint32(33 - size.bit_length())).astype(jnp.int32)
+
+
+def lowest_writer(cells: jax.Array, mask: jax.Array, size: int) -> jax.Array:
+  """For each row, the lowest index among the masked rows that wrote its cell."""
+  index = jnp.arange(cells.shape[0], dtype=jnp.int32)
+  scratch = jnp.full((size,), _FREE, jnp.int32).at[jnp.where(mask, cells, size)].min(index, mode="drop")
+  return jnp.minimum(scratch[cells], cells.shape[0] - 1)
+
+
+def first_per_slot(slot: jax.Array, mask: jax.Array, last: bool = False) -> jax.Array:
+  """bool[N]: the first (or ``last``) masked row of each distinct ``slot``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> slot, mask = jnp.array([4, 9, 4, 4]), jnp.array([True, True, True, False])
+    >>> first_per_slot(slot, mask).tolist(), first_per_slot(slot, mask, last=True).tolist()
+    ([True, True, False, False], [False, True, True, False])
+  """
+  n = slot.shape[0]
+  size = scratch_size(n)
+  order = jnp.arange(n, dtype=jnp.int32)
+  rows = order[::-1] if last else order  # claim priority: position in `rows`
+  ranked_slot, ranked_mask = slot[rows], mask[rows]
+
+  def body(state):
+    rounds, pending, won = state
+    owner = lowest_writer(cell_of(ranked_slot, rounds, size), pending, size)
+    settled = pending & (ranked_slot[owner] == ranked_slot)
+    return rounds + 1, pending & ~settled, won | (settled & (owner == order))
+
+  state = (jnp.int32(0), ranked_mask, jnp.zeros(n, bool))
+  _, _, won = lax.while_loop(lambda s: jnp.any(s[1]), body, state)
+  return won[rows]
