@@ -214,9 +214,9 @@ class OpenAddressingTable(Table):
     table = dataclasses.replace(self, buckets=flat.reshape(self.buckets.shape))
     return table._write(slot, rows, admitted)
 
-  def _upsert_rows(self, words, leaves, active, mode, fn):
-    if mode == "apply" or active is not None:
-      return exact_upsert(self, words, leaves, active, mode, fn)
+  def _upsert_rows(self, words, leaves, active, mode):
+    if active is not None:
+      return exact_upsert(self, words, leaves, active, mode)
     found, slot = self._locate(words)
     room = self.capacity - self.size
     # Only a batch that may not fit needs the (sorting) exact admission. The

@@ -199,7 +199,7 @@ class Table(abc.ABC):
     leaves = self._values(values, batch)
     if not words.shape[0]:
       return self
-    return _upsert(self, words, leaves, None, mode="insert", fn=None)[0]
+    return _upsert(self, words, leaves, None, mode="insert")[0]
 
   def find_or_insert(self, keys, values) -> tuple[Table, Any]:
     """Returns existing values and inserts the missing keys with ``values``.
@@ -222,7 +222,7 @@ class Table(abc.ABC):
     leaves = self._values(values, batch)
     if not words.shape[0]:
       return self, self._empty_result(batch)
-    table, out = _upsert(self, words, leaves, None, mode="first", fn=None)
+    table, out = _upsert(self, words, leaves, None, mode="first")
     return table, self._output(out, batch)
 
   def insert_or_apply(self, keys, values, fn: Callable) -> Table:
@@ -253,7 +253,7 @@ class Table(abc.ABC):
     if not words.shape[0]:
       return self
     self._check_fn(fn)
-    return _upsert(self, words, leaves, None, mode="apply", fn=fn)[0]
+    return _apply(self, words, leaves, fn=fn)
 
   def _check_fn(self, fn):
     entry = [jax.ShapeDtypeStruct(s.storage_shape, s.storage_dtype) for s in self.value_spec.leaves]
@@ -310,7 +310,7 @@ class Table(abc.ABC):
     empty = self._cleared()
     if not words.shape[0]:
       return empty
-    return _upsert(empty, words, leaves, active, mode="insert", fn=None)[0]
+    return _upsert(empty, words, leaves, active, mode="insert")[0]
 
   def resize(self, capacity: int) -> Table:
     """The same contents in a table of another ``capacity`` (static).
@@ -323,7 +323,7 @@ class Table(abc.ABC):
     if not codec.is_traced(self.size) and int(self.size) > capacity:
       raise ValueError(f"capacity: {capacity} is below the table's size {int(self.size)}.")
     words, leaves, valid = _compact(self)
-    return _upsert(self._with_capacity(capacity), words, leaves, valid, mode="insert", fn=None)[0]
+    return _upsert(self._with_capacity(capacity), words, leaves, valid, mode="insert")[0]
 
   def __repr__(self) -> str:
     size = "traced" if codec.is_traced(self.size) else int(self.size)
@@ -343,9 +343,9 @@ class Table(abc.ABC):
     values = tuple(v.at[index].set(r, mode="drop") for v, r in zip(self.values, rows))
     return dataclasses.replace(self, values=values)
 
-  def _upsert_rows(self, words, leaves, active, mode, fn) -> tuple[Table, list]:
-    """insert / find_or_insert / insert_or_apply on flat rows; storages may specialise."""
-    return exact_upsert(self, words, leaves, active, mode, fn)
+  def _upsert_rows(self, words, leaves, active, mode) -> tuple[Table, list]:
+    """insert / find_or_insert on flat rows; storages may specialise."""
+    return exact_upsert(self, words, leaves, active, mode)
 
   def _remove_rows(self, words) -> Table:
     """remove on flat rows: the first row of each present key releases it."""
@@ -403,29 +403,38 @@ def _remove(table: Table, words):
   return table._remove_rows(words)
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "fn"))
-def _upsert(table: Table, words, leaves, active, *, mode: str, fn):
-  """insert ("insert"), find_or_insert ("first") and insert_or_apply ("apply")."""
-  return table._upsert_rows(words, leaves, active, mode, fn)
+@functools.partial(jax.jit, static_argnames=("mode",))
+def _upsert(table: Table, words, leaves, active, *, mode: str):
+  """insert ("insert": last duplicate wins) and find_or_insert ("first")."""
+  return table._upsert_rows(words, leaves, active, mode)
 
 
-def _fold(table, groups, found, slot, rows, fn):
-  """insert_or_apply: each group's rows folded in batch order onto the old value."""
+@functools.partial(jax.jit, static_argnames=("fn",))
+def _apply(table: Table, words, leaves, *, fn):
+  """insert_or_apply: the first occurrence of a new key inserts, every other row folds in.
+
+  Each round applies ``fn`` to the earliest pending row of every slot, so the
+  rows of one key are folded in batch order; rounds = the largest number of
+  times one key occurs in the batch.
+  """
+  before, _ = table._locate(words)
+  table, _ = table._upsert_rows(words, leaves, None, "first")
+  present, slot = table._locate(words)
+  inserted = claims.first_per_slot(slot, present & ~before)
   treedef = table.value_spec.treedef
 
-  def apply(old, new):
-    out = jax.vmap(fn)(jax.tree.unflatten(treedef, old), jax.tree.unflatten(treedef, new))
-    return jax.tree.leaves(out)
+  def fold(state):
+    table, pending = state
+    rows, target = claims.pending_rows(pending, claims.chunk_size(pending.shape[0]))
+    live = pending[rows] & (target < pending.shape[0])
+    earliest = claims.first_per_slot(slot[rows], live)
+    old = jax.tree.unflatten(treedef, _take(table.values, slot[rows]))
+    new = jax.tree.unflatten(treedef, _take(leaves, rows))
+    folded = jax.tree.leaves(jax.vmap(fn)(old, new))
+    return table._write(slot[rows], folded, earliest), pending.at[target].set(live & ~earliest, mode="drop")
 
-  acc = _select(found, apply(_take(table.values, slot), rows), rows)
-  index = jnp.arange(groups.perm.shape[0], dtype=jnp.int32)
-
-  def step(r, acc):
-    nxt = _take(rows, index + r)
-    return _select(r < groups.length, apply(acc, nxt), acc)
-
-  longest = jnp.max(jnp.where(groups.head & groups.active, groups.length, 0))
-  return jax.lax.fori_loop(1, longest, step, acc)
+  table, _ = jax.lax.while_loop(lambda s: jnp.any(s[1]), fold, (table, present & ~inserted))
+  return table
 
 
 def update_existing(table: Table, leaves, slot, mode: str) -> tuple[Table, list]:
@@ -436,7 +445,7 @@ def update_existing(table: Table, leaves, slot, mode: str) -> tuple[Table, list]
   return table, _take(table.values, slot)
 
 
-def exact_upsert(table: Table, words, leaves, active, mode: str, fn) -> tuple[Table, list]:
+def exact_upsert(table: Table, words, leaves, active, mode: str) -> tuple[Table, list]:
   """The reference batch algorithm: group by sorting, admit in batch order.
 
   Exact in every case, including a batch that overflows the table (the new
@@ -447,8 +456,6 @@ def exact_upsert(table: Table, words, leaves, active, mode: str, fn) -> tuple[Ta
   found, slot = table._locate(groups.words)
   if mode == "insert":
     rows = _take(rows, groups.end)
-  elif mode == "apply":
-    rows = _fold(table, groups, found, slot, rows, fn)
   heads = groups.head & groups.active
   new = heads & ~found
   rank = batch_lib.first_occurrence_rank(groups, new)
