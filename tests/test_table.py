@@ -1,5 +1,7 @@
 """Both storages against the Python-dict oracle, for every key and value kind."""
 
+import operator
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -194,3 +196,33 @@ def test_same_inputs_same_layout(storage):
   a, b = build(), build()
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize(
+  "fn", [jnp.add, jnp.maximum, jnp.minimum, jnp.multiply, operator.add], ids=lambda f: f.__name__
+)
+def test_order_free_integer_reductions_equal_the_fold(storage, fn):
+  rng = np.random.default_rng(5)
+  keys = rng.integers(0, 6, size=64).astype(np.int32)  # every key many times
+  values = rng.integers(-3, 4, size=64).astype(np.int32)
+  t = storage.create(16, key=jnp.int32, value=jnp.int32, default=0).insert(
+    np.array([1, 2], np.int32), np.array([5, -5], np.int32)
+  )
+  model = {1: np.int32(5), 2: np.int32(-5)}
+  for k, v in zip(keys.tolist(), values):
+    model[k] = np.int32(fn(model[k], v)) if k in model else v
+  t = t.insert_or_apply(keys, values, fn)
+  probe = np.arange(6, dtype=np.int32)
+  np.testing.assert_array_equal(t.find(probe), [model.get(k, 0) for k in probe.tolist()])
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_float_accumulation_is_the_sequential_fold(storage):
+  values = np.random.default_rng(6).standard_normal(200).astype(np.float32) * np.float32(1e4)
+  keys = np.zeros(200, np.int32)
+  t = storage.create(4, key=jnp.int32, value=jnp.float32).insert_or_apply(keys, values, jnp.add)
+  expected = values[0]
+  for v in values[1:]:
+    expected = np.float32(expected + v)
+  assert np.float32(t.find(np.int32(0))) == expected

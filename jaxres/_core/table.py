@@ -21,6 +21,7 @@ import abc
 import dataclasses
 import functools
 import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -433,8 +434,40 @@ def _apply(table: Table, words, leaves, *, fn):
     folded = jax.tree.leaves(jax.vmap(fn)(old, new))
     return table._write(slot[rows], folded, earliest), pending.at[target].set(live & ~earliest, mode="drop")
 
-  table, _ = jax.lax.while_loop(lambda s: jnp.any(s[1]), fold, (table, present & ~inserted))
+  pending = present & ~inserted
+  reduction = _exact_reduction(fn, table.value_spec)
+  if reduction is not None:
+    target = jnp.where(pending, slot, table.values[0].shape[0])
+    values = tuple(getattr(v.at[target], reduction)(x, mode="drop") for v, x in zip(table.values, leaves))
+    return dataclasses.replace(table, values=values)
+  table, _ = jax.lax.while_loop(lambda s: jnp.any(s[1]), fold, (table, pending))
   return table
+
+
+# Reductions whose result on integers does not depend on the order of the
+# operands, so one scatter equals the in-order fold exactly.
+_ORDER_FREE = {
+  jnp.add: "add",
+  jax.lax.add: "add",
+  operator.add: "add",
+  jnp.multiply: "multiply",
+  jax.lax.mul: "multiply",
+  operator.mul: "multiply",
+  jnp.maximum: "max",
+  jax.lax.max: "max",
+  jnp.minimum: "min",
+  jax.lax.min: "min",
+}
+
+
+def _exact_reduction(fn, value_spec) -> str | None:
+  """The scatter method equal to folding with ``fn``, or None to fold in order."""
+  try:
+    reduction = _ORDER_FREE.get(fn)
+  except TypeError:  # unhashable callable
+    return None
+  integral = all(leaf.dtype.kind in "iu" and not leaf.wide for leaf in value_spec.leaves)
+  return reduction if integral else None
 
 
 def update_existing(table: Table, leaves, slot, mode: str) -> tuple[Table, list]:
