@@ -7,6 +7,7 @@ import pytest
 from oracle import STORAGES
 
 import jaxres as jr
+from jaxres._core import table as table_lib
 
 OPS = {
   "insert": lambda t, k, v: t.insert(k, v),
@@ -95,3 +96,21 @@ def test_resize_under_jit_with_static_capacity():
   resized = jax.jit(lambda t: t.resize(64))(t)
   assert resized.capacity == 64 and int(resized.size) == 3
   assert resized.find(jnp.array([2], jnp.int32)).tolist() == [20.0]
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_eager_calls_compile_once_per_shape(storage):
+  kernels = [table_lib._lookup, table_lib._upsert, table_lib._remove, table_lib._apply, table_lib._contains]
+  t = _table(storage)
+
+  def work(t, keys):
+    t = t.insert(keys, jnp.ones(3)).insert_or_apply(keys, jnp.ones(3), jnp.add)
+    t, _ = t.find_or_insert(keys + 1, jnp.ones(3))
+    t.find(keys), t.lookup(keys), t.contains(keys)
+    return t.remove(keys)
+
+  t = work(t, jnp.array([1, 5, 9], jnp.int32))
+  sizes = [k._cache_size() for k in kernels]
+  for start in (20, 40):
+    t = work(t, jnp.arange(start, start + 3, dtype=jnp.int32))
+  assert [k._cache_size() for k in kernels] == sizes

@@ -202,7 +202,7 @@ class KeySpec:
       return
     if self.wide:
       hint = (
-        f"pass a NumPy {self.dtype} array, a {self.dtype} JAX array (with jax_enable_x64), "
+        f"pass a NumPy {self.dtype} array, a JAX array of dtype {self.dtype} (with jax_enable_x64), "
         "or uint32 word pairs from jr.keys.split64 (inside jit with x64 off); "
         f"a narrower integer array may already have been truncated."
       )
