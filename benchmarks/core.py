@@ -86,6 +86,7 @@ def measure(storage, num_keys: int, steps: int = 50) -> dict:
   fill(fresh())  # compile
   t_insert, table = _timed(lambda: fill(fresh()))
   assert int(table.size) == num_keys and int(table.dropped) == 0
+  bytes_per_entry = sum(x.nbytes for x in jax.tree.leaves(table)) / capacity
   t_update, table = _timed(lambda: fill(table), repeats=1)
 
   found = [_find(table, b) for b in query_batches]  # compile
@@ -117,6 +118,7 @@ def measure(storage, num_keys: int, steps: int = 50) -> dict:
     "remove": sum(b.shape[0] for b in removals) / t_remove,
     "step_us": t_step * 1e6,
     "hits": hits / num_keys,
+    "bytes/entry": bytes_per_entry,
   }
 
 
@@ -148,7 +150,8 @@ def main(argv=None) -> None:
     r = measure(storage, args.keys)
     print(
       f"| {storage.__name__} | {r['insert (fresh)'] / 1e6:.2f} | {r['insert (overwrite)'] / 1e6:.2f} | "
-      f"{r['find (50% hits)'] / 1e6:.2f} | {r['remove'] / 1e6:.2f} | {r['step_us']:.0f} |"
+      f"{r['find (50% hits)'] / 1e6:.2f} | {r['remove'] / 1e6:.2f} | {r['step_us']:.0f} | "
+      f"{r['bytes/entry']:.1f} |"
     )
 
 
