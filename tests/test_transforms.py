@@ -7,7 +7,7 @@ import pytest
 from oracle import STORAGES
 
 import jaxres as jr
-from jaxres._core import table as table_lib
+from jaxres._core import kernels
 
 OPS = {
   "insert": lambda t, k, v: t.insert(k, v),
@@ -100,7 +100,7 @@ def test_resize_under_jit_with_static_capacity():
 
 @pytest.mark.parametrize("storage", STORAGES)
 def test_eager_calls_compile_once_per_shape(storage):
-  kernels = [table_lib._lookup, table_lib._upsert, table_lib._remove, table_lib._apply, table_lib._contains]
+  compiled = [kernels.lookup, kernels.upsert, kernels.remove, kernels.apply, kernels.contains]
   t = _table(storage)
 
   def work(t, keys):
@@ -110,7 +110,7 @@ def test_eager_calls_compile_once_per_shape(storage):
     return t.remove(keys)
 
   t = work(t, jnp.array([1, 5, 9], jnp.int32))
-  sizes = [k._cache_size() for k in kernels]
+  sizes = [k._cache_size() for k in compiled]
   for start in (20, 40):
     t = work(t, jnp.arange(start, start + 3, dtype=jnp.int32))
-  assert [k._cache_size() for k in kernels] == sizes
+  assert [k._cache_size() for k in compiled] == sizes

@@ -36,7 +36,8 @@ from jax import lax
 from jaxres._core import batch as batch_lib
 from jaxres._core import claims, codec
 from jaxres._core.hashing import hash_words
-from jaxres._core.table import Table, check_capacity, exact_upsert, pytree_dataclass, static_field
+from jaxres._core.kernels import exact_upsert
+from jaxres._core.table import Table, check_capacity, pytree_dataclass, static_field
 from jaxres._core.values import ValueSpec
 
 _MAX_LOAD = 0.5  # live entries per slot at full capacity: short probe chains, ~26 B/entry

@@ -21,14 +21,8 @@ from jax import lax
 
 from jaxres._core import batch as batch_lib
 from jaxres._core import codec
-from jaxres._core.table import (
-  Table,
-  check_capacity,
-  exact_upsert,
-  pytree_dataclass,
-  static_field,
-  update_existing,
-)
+from jaxres._core.kernels import exact_upsert, update_existing
+from jaxres._core.table import Table, check_capacity, pytree_dataclass, static_field
 from jaxres._core.values import ValueSpec
 
 

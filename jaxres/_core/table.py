@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import functools
 import math
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxres._core import batch as batch_lib
-from jaxres._core import claims, codec
+from jaxres._core import codec, kernels
 from jaxres._core.values import ValueSpec
 
 _MAX_CAPACITY = 2**30
@@ -54,17 +52,6 @@ def check_capacity(capacity, name: str = "capacity") -> int:
   if not 0 < capacity <= _MAX_CAPACITY:
     raise ValueError(f"{name}: expected 1 <= {name} <= {_MAX_CAPACITY}, got {capacity}.")
   return capacity
-
-
-def _take(leaves, index):
-  return [jnp.take(x, index, axis=0, mode="clip") for x in leaves]
-
-
-def _select(mask, on_true, on_false):
-  def pick(a, b):
-    return jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), a, b)
-
-  return [pick(a, b) for a, b in zip(on_true, on_false)]
 
 
 class Table(abc.ABC):
@@ -97,9 +84,7 @@ class Table(abc.ABC):
   def _specs(cls, key, value, default):
     key_spec = codec.KeySpec.parse(key)
     value_spec = ValueSpec.parse(value)
-    if jax.tree.structure(default).num_leaves == 1 and len(value_spec.leaves) > 1:
-      default = jax.tree.unflatten(value_spec.treedef, [default] * len(value_spec.leaves))
-    default_leaves = tuple(value_spec.to_storage(default, (), "default", broadcast=True))
+    default_leaves = tuple(value_spec.to_storage(value_spec.spread(default), (), "default", broadcast=True))
     return key_spec, value_spec, default_leaves
 
   def _keys(self, keys, name="keys"):
@@ -117,9 +102,7 @@ class Table(abc.ABC):
   def _default(self, default, batch):
     if default is None:
       return [jnp.broadcast_to(d, batch + d.shape) for d in self.default]
-    if jax.tree.structure(default).num_leaves == 1 and len(self.value_spec.leaves) > 1:
-      default = jax.tree.unflatten(self.value_spec.treedef, [default] * len(self.value_spec.leaves))
-    return self.value_spec.to_storage(default, batch, "default", broadcast=True)
+    return self.value_spec.to_storage(self.value_spec.spread(default), batch, "default", broadcast=True)
 
   def _empty_result(self, batch):
     return self._output([x.reshape((0, *x.shape[len(batch) :])) for x in self._default(None, batch)], batch)
@@ -168,7 +151,7 @@ class Table(abc.ABC):
     words, batch = self._keys(keys)
     if not words.shape[0]:
       return jnp.zeros(batch, bool)
-    return _contains(self, words).reshape(batch)
+    return kernels.contains(self, words).reshape(batch)
 
   def _lookup(self, keys, default):
     words, batch = self._keys(keys)
@@ -177,7 +160,7 @@ class Table(abc.ABC):
       return self._empty_result(batch), jnp.zeros(batch, bool)
     n = words.shape[0]
     flat_defaults = [d.reshape((n, *d.shape[len(batch) :])) for d in defaults]
-    leaves, found = _lookup(self, words, flat_defaults)
+    leaves, found = kernels.lookup(self, words, flat_defaults)
     return self._output(leaves, batch), found.reshape(batch)
 
   # ----------------------------------------------------------- mutations
@@ -200,7 +183,7 @@ class Table(abc.ABC):
     leaves = self._values(values, batch)
     if not words.shape[0]:
       return self
-    return _upsert(self, words, leaves, None, mode="insert")[0]
+    return kernels.upsert(self, words, leaves, None, mode="insert")[0]
 
   def find_or_insert(self, keys, values) -> tuple[Table, Any]:
     """Returns existing values and inserts the missing keys with ``values``.
@@ -223,7 +206,7 @@ class Table(abc.ABC):
     leaves = self._values(values, batch)
     if not words.shape[0]:
       return self, self._empty_result(batch)
-    table, out = _upsert(self, words, leaves, None, mode="first")
+    table, out = kernels.upsert(self, words, leaves, None, mode="first")
     return table, self._output(out, batch)
 
   def insert_or_apply(self, keys, values, fn: Callable) -> Table:
@@ -254,7 +237,7 @@ class Table(abc.ABC):
     if not words.shape[0]:
       return self
     self._check_fn(fn)
-    return _apply(self, words, leaves, fn=fn)
+    return kernels.apply(self, words, leaves, fn=fn)
 
   def _check_fn(self, fn):
     entry = [jax.ShapeDtypeStruct(s.storage_shape, s.storage_dtype) for s in self.value_spec.leaves]
@@ -273,7 +256,7 @@ class Table(abc.ABC):
     words, _ = self._keys(keys)
     if not words.shape[0]:
       return self
-    return _remove(self, words)
+    return kernels.remove(self, words)
 
   # ------------------------------------------------------ whole contents
 
@@ -285,7 +268,7 @@ class Table(abc.ABC):
     back as NumPy arrays when x64 is off and the call is eager, and as word
     pairs under ``jit``.
     """
-    words, leaves, valid = _compact(self)
+    words, leaves, valid = kernels.compact(self)
     words = jnp.where(valid[:, None], words, self.key_spec.encode_zero())
     return self.key_spec.decode(words), self.value_spec.from_storage(leaves), valid
 
@@ -311,7 +294,7 @@ class Table(abc.ABC):
     empty = self._cleared()
     if not words.shape[0]:
       return empty
-    return _upsert(empty, words, leaves, active, mode="insert")[0]
+    return kernels.upsert(empty, words, leaves, active, mode="insert")[0]
 
   def resize(self, capacity: int) -> Table:
     """The same contents in a table of another ``capacity`` (static).
@@ -323,8 +306,8 @@ class Table(abc.ABC):
     capacity = check_capacity(capacity)
     if not codec.is_traced(self.size) and int(self.size) > capacity:
       raise ValueError(f"capacity: {capacity} is below the table's size {int(self.size)}.")
-    words, leaves, valid = _compact(self)
-    return _upsert(self._with_capacity(capacity), words, leaves, valid, mode="insert")[0]
+    words, leaves, valid = kernels.compact(self)
+    return kernels.upsert(self._with_capacity(capacity), words, leaves, valid, mode="insert")[0]
 
   def __repr__(self) -> str:
     size = "traced" if codec.is_traced(self.size) else int(self.size)
@@ -346,14 +329,11 @@ class Table(abc.ABC):
 
   def _upsert_rows(self, words, leaves, active, mode) -> tuple[Table, list]:
     """insert / find_or_insert on flat rows; storages may specialise."""
-    return exact_upsert(self, words, leaves, active, mode)
+    return kernels.exact_upsert(self, words, leaves, active, mode)
 
   def _remove_rows(self, words) -> Table:
     """remove on flat rows: the first row of each present key releases it."""
-    found, slot = self._locate(words)
-    first = claims.first_per_slot(slot, found)
-    table = self._release(words, slot, first)
-    return dataclasses.replace(table, size=table.size - jnp.sum(first, dtype=jnp.int32))
+    return kernels.release_present(self, words)
 
   @abc.abstractmethod
   def _with_capacity(self, capacity: int) -> Table:
@@ -378,134 +358,3 @@ class Table(abc.ABC):
   @abc.abstractmethod
   def _compact(self) -> tuple[jax.Array, list, jax.Array]:
     """``(words[capacity, W], leaves, valid)`` with live entries first."""
-
-
-# ---------------------------------------------------------------- kernels
-
-
-@jax.jit
-def _lookup(table: Table, words, defaults):
-  found, slot = table._locate(words)
-  return _select(found, _take(table.values, slot), defaults), found
-
-
-@jax.jit
-def _contains(table: Table, words):
-  return table._locate(words)[0]
-
-
-@jax.jit
-def _compact(table: Table):
-  return table._compact()
-
-
-@jax.jit
-def _remove(table: Table, words):
-  return table._remove_rows(words)
-
-
-@functools.partial(jax.jit, static_argnames=("mode",))
-def _upsert(table: Table, words, leaves, active, *, mode: str):
-  """insert ("insert": last duplicate wins) and find_or_insert ("first")."""
-  return table._upsert_rows(words, leaves, active, mode)
-
-
-@functools.partial(jax.jit, static_argnames=("fn",))
-def _apply(table: Table, words, leaves, *, fn):
-  """insert_or_apply: the first occurrence of a new key inserts, every other row folds in.
-
-  Each round applies ``fn`` to the earliest pending row of every slot, so the
-  rows of one key are folded in batch order; rounds = the largest number of
-  times one key occurs in the batch.
-  """
-  before, _ = table._locate(words)
-  table, _ = table._upsert_rows(words, leaves, None, "first")
-  present, slot = table._locate(words)
-  inserted = claims.first_per_slot(slot, present & ~before)
-  treedef = table.value_spec.treedef
-
-  def fold(state):
-    table, pending = state
-    rows, target = claims.pending_rows(pending, claims.chunk_size(pending.shape[0]))
-    live = pending[rows] & (target < pending.shape[0])
-    earliest = claims.first_per_slot(slot[rows], live)
-    old = jax.tree.unflatten(treedef, _take(table.values, slot[rows]))
-    new = jax.tree.unflatten(treedef, _take(leaves, rows))
-    folded = jax.tree.leaves(jax.vmap(fn)(old, new))
-    return table._write(slot[rows], folded, earliest), pending.at[target].set(live & ~earliest, mode="drop")
-
-  pending = present & ~inserted
-  reduction = _exact_reduction(fn, table.value_spec)
-  if reduction is not None:
-    target = jnp.where(pending, slot, table.values[0].shape[0])
-    values = tuple(getattr(v.at[target], reduction)(x, mode="drop") for v, x in zip(table.values, leaves))
-    return dataclasses.replace(table, values=values)
-  table, _ = jax.lax.while_loop(lambda s: jnp.any(s[1]), fold, (table, pending))
-  return table
-
-
-# Reductions whose result on integers does not depend on the order of the
-# operands, so one scatter equals the in-order fold exactly.
-_ORDER_FREE = {
-  jnp.add: "add",
-  jax.lax.add: "add",
-  operator.add: "add",
-  jnp.multiply: "multiply",
-  jax.lax.mul: "multiply",
-  operator.mul: "multiply",
-  jnp.maximum: "max",
-  jax.lax.max: "max",
-  jnp.minimum: "min",
-  jax.lax.min: "min",
-}
-
-
-def _exact_reduction(fn, value_spec) -> str | None:
-  """The scatter method equal to folding with ``fn``, or None to fold in order."""
-  try:
-    reduction = _ORDER_FREE.get(fn)
-  except TypeError:  # unhashable callable
-    return None
-  integral = all(leaf.dtype.kind in "iu" and not leaf.wide for leaf in value_spec.leaves)
-  return reduction if integral else None
-
-
-def update_existing(table: Table, leaves, slot, mode: str) -> tuple[Table, list]:
-  """insert / find_or_insert when every key is present: no grouping by sorting."""
-  if mode == "insert":
-    last = claims.first_per_slot(slot, jnp.ones(slot.shape, bool), last=True)
-    return table._write(slot, leaves, last), []
-  return table, _take(table.values, slot)
-
-
-def exact_upsert(table: Table, words, leaves, active, mode: str) -> tuple[Table, list]:
-  """The reference batch algorithm: group by sorting, admit in batch order.
-
-  Exact in every case, including a batch that overflows the table (the new
-  keys admitted are those a one-at-a-time loop would have inserted).
-  """
-  groups = table._group(words, active)
-  rows = _take(leaves, groups.perm)
-  found, slot = table._locate(groups.words)
-  if mode == "insert":
-    rows = _take(rows, groups.end)
-  heads = groups.head & groups.active
-  new = heads & ~found
-  rank = batch_lib.first_occurrence_rank(groups, new)
-  admitted = new & (rank < table.capacity - table.size)
-  num_admitted = jnp.sum(admitted, dtype=jnp.int32)
-
-  out = []
-  if mode == "first":
-    defaults = [jnp.broadcast_to(d, x.shape) for d, x in zip(table.default, rows)]
-    out = _select(found, _take(table.values, slot), _select(admitted, rows, defaults))
-    out = batch_lib.unsort(groups, _take(out, groups.start))
-  else:
-    table = table._write(slot, rows, heads & found)
-  table = table._place(groups, admitted, rows)
-  table = dataclasses.replace(
-    table,
-    size=table.size + num_admitted,
-    dropped=table.dropped + jnp.sum(new, dtype=jnp.int32) - num_admitted,
-  )
-  return table, out

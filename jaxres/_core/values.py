@@ -138,6 +138,12 @@ class ValueSpec:
       return str(self.leaves[0])
     return str(jax.tree.unflatten(self.treedef, [str(leaf) for leaf in self.leaves]))
 
+  def spread(self, default):
+    """A single scalar default stands for every leaf of a pytree value."""
+    if jax.tree.structure(default).num_leaves == 1 and len(self.leaves) > 1:
+      return jax.tree.unflatten(self.treedef, [default] * len(self.leaves))
+    return default
+
   def _flatten(self, values, name: str) -> list:
     if self.treedef == jax.tree.structure(0):
       return [values]
