@@ -11,6 +11,19 @@ from jaxres import keys as keys
 from jaxres._core.open_addressing import OpenAddressingTable as OpenAddressingTable
 from jaxres._core.sorted_table import SortedTable as SortedTable
 from jaxres._core.table import Table as Table
+from jaxres._shell.manager import ResourceManager as ResourceManager
+from jaxres._shell.resource import Resource as Resource
+from jaxres._tracking.trackable import AutoTrackable as AutoTrackable
+from jaxres._tracking.trackable import Trackable as Trackable
 
-__all__ = ["OpenAddressingTable", "SortedTable", "Table", "keys"]
+__all__ = [
+  "AutoTrackable",
+  "OpenAddressingTable",
+  "Resource",
+  "ResourceManager",
+  "SortedTable",
+  "Table",
+  "Trackable",
+  "keys",
+]
 __version__ = "0.1.0"

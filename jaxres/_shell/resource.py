@@ -1,0 +1,133 @@
+"""Resources: state pytrees with a create / initialize / destroy lifecycle."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxres._tracking.trackable import Trackable
+
+
+class ResourceState(nnx.Variable):
+  """The state pytree of a :class:`Resource`; ``nnx.jit`` traces and updates it."""
+
+
+class _Lifecycle:
+  """Creation and destruction flags, shared by a resource and NNX's copies of it.
+
+  ``nnx.jit`` works on copies of the modules it is given; only the object that
+  created the state (``owner``) may destroy it when it is garbage collected.
+  """
+
+  def __init__(self):
+    self.lock = threading.RLock()
+    self.created = False
+    self.destroyed = False
+    self.owner: int | None = None
+
+
+class Resource(Trackable, nnx.Module):
+  """A stateful resource, the analogue of TensorFlow's ``TrackableResource``.
+
+  Subclasses override ``_create_resource`` (returns the initial state pytree),
+  and optionally ``_initialize`` (runs once, right after creation) and
+  ``_destroy_resource`` (runs once, on :meth:`destroy` or when the resource
+  is garbage collected). The state is created lazily on first access of
+  :attr:`state`. A resource held by an ``nnx.Module`` is traced by
+  ``nnx.jit``, and state assigned inside the jitted call persists after it.
+
+  Args:
+    device: optional ``jax.Device`` or ``jax.sharding.Sharding``; the state
+      is placed there on creation and on every assignment.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxres as jr
+    >>> class DemoResource(jr.Resource):
+    ...   def _create_resource(self):
+    ...     return jnp.zeros(2)
+    ...   def _initialize(self):
+    ...     self.state = jnp.ones(2)
+    >>> class DemoModule(jr.AutoTrackable):
+    ...   def __init__(self):  # need not call super().__init__()
+    ...     self.resource = DemoResource()
+    ...   def increment(self, x):
+    ...     return x + self.resource.state
+    >>> DemoModule().increment(jnp.array([5.0, 1.0])).tolist()
+    [6.0, 2.0]
+  """
+
+  def __init__(self, device=None):
+    if device is not None and not isinstance(device, (jax.Device, jax.sharding.Sharding)):
+      raise TypeError(f"device: expected a jax.Device or jax.sharding.Sharding, got {device!r}.")
+    self._device = device
+    self._lifecycle = _Lifecycle()
+
+  def _life(self) -> _Lifecycle:
+    if "_lifecycle" not in vars(self):
+      raise TypeError(f"{type(self).__name__}.__init__ must call super().__init__() (jr.Resource).")
+    return self._lifecycle
+
+  @property
+  def device(self):
+    """The device or sharding the state lives on (``None``: JAX's default)."""
+    return self._device
+
+  @property
+  def created(self) -> bool:
+    """Whether the state has been created."""
+    return self._life().created
+
+  @property
+  def state(self) -> Any:
+    """The current state pytree, created (and initialized) on first access.
+
+    Raises:
+      ValueError: the resource was destroyed.
+    """
+    life = self._life()
+    with life.lock:
+      if life.destroyed:
+        raise ValueError(f"{type(self).__name__}: the resource was destroyed; create a new one.")
+      if not life.created:
+        self._cell = ResourceState(self._place(self._create_resource()))
+        life.created, life.owner = True, id(self)
+        self._initialize()
+      return self._cell.get_value()
+
+  @state.setter
+  def state(self, value: Any) -> None:
+    with self._life().lock:
+      self.state  # noqa: B018  (creates and initializes first)
+      self._cell.set_value(self._place(value))
+
+  def destroy(self) -> None:
+    """Runs ``_destroy_resource`` (once) and releases the state."""
+    life = self._life()
+    with life.lock:
+      if life.destroyed:
+        return
+      life.destroyed = True
+      if life.created:
+        self._destroy_resource()
+        del self._cell
+
+  def __del__(self):
+    life = vars(self).get("_lifecycle")
+    if life is not None and life.owner == id(self) and not life.destroyed:
+      self.destroy()
+
+  def _place(self, state):
+    return state if self._device is None else jax.device_put(state, self._device)
+
+  def _create_resource(self) -> Any:
+    """Returns the initial state pytree; subclasses must override it."""
+    raise TypeError(f"{type(self).__name__} must define _create_resource() (jr.Resource).")
+
+  def _initialize(self) -> None:
+    """Runs once after creation; may assign ``self.state``."""
+
+  def _destroy_resource(self) -> None:
+    """Runs once when the resource is destroyed or garbage collected."""
