@@ -12,12 +12,14 @@ from jaxres._core.open_addressing import OpenAddressingTable as OpenAddressingTa
 from jaxres._core.sorted_table import SortedTable as SortedTable
 from jaxres._core.table import Table as Table
 from jaxres._shell.manager import ResourceManager as ResourceManager
+from jaxres._shell.mutable_table import MutableHashTable as MutableHashTable
 from jaxres._shell.resource import Resource as Resource
 from jaxres._tracking.trackable import AutoTrackable as AutoTrackable
 from jaxres._tracking.trackable import Trackable as Trackable
 
 __all__ = [
   "AutoTrackable",
+  "MutableHashTable",
   "OpenAddressingTable",
   "Resource",
   "ResourceManager",

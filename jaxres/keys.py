@@ -1,10 +1,13 @@
-"""Helpers for 64-bit keys and values as ``uint32`` word pairs.
+"""Helpers for keys that JAX cannot hold directly: 64-bit integers and strings.
 
 With ``jax_enable_x64`` off, JAX has no 64-bit integer arrays, so inside
 ``jit`` a 64-bit key travels as a *word pair*: ``uint32[..., 2]`` holding the
 high and the low 32 bits of its two's complement form. Tables accept word
 pairs wherever they accept 64-bit keys, and ``export()`` under ``jit`` returns
 them. On the host, NumPy ``int64``/``uint64`` arrays are accepted directly.
+
+Strings travel inside ``jit`` as fixed-width ``uint32`` rows
+(:func:`encode_strings`); string tables encode and decode on the host for you.
 
 Example:
   >>> import numpy as np, jaxres as jr
@@ -21,9 +24,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxres._core import codec
+from jaxres._core import codec, strings
 
-__all__ = ["join64", "split64"]
+__all__ = ["decode_strings", "encode_strings", "join64", "split64"]
 
 
 def split64(x):
@@ -70,3 +73,32 @@ def join64(pairs, dtype=np.int64):
   if codec.is_traced(pairs):
     raise TypeError("pairs: cannot join traced word pairs with jax_enable_x64 off; keep them as pairs.")
   return codec.join64_host(np.asarray(pairs), dtype)
+
+
+def encode_strings(values, max_length: int = 64):
+  """Strings -> ``uint32[..., width]`` rows that a string table accepts inside ``jit``.
+
+  ``width`` is ``ceil(max_length / 4) + 1``; pass the table's ``max_key_length``
+  (or ``max_value_length``) so that the widths match.
+
+  Raises:
+    TypeError: an element is not a string.
+    ValueError: an element is longer than ``max_length`` UTF-8 bytes.
+
+  Example:
+    >>> import jaxres as jr
+    >>> rows = jr.keys.encode_strings(["héllo", ""], max_length=8)
+    >>> rows.shape, jr.keys.decode_strings(rows).tolist()
+    ((2, 3), ['héllo', ''])
+  """
+  strings.check_max_length(max_length, "max_length")
+  return jax.numpy.asarray(strings.encode(values, max_length, name="values"))
+
+
+def decode_strings(rows):
+  """``uint32[..., width]`` rows -> NumPy array of ``str`` (host only)."""
+  if codec.is_traced(rows):
+    raise TypeError(
+      "rows: strings can only be decoded outside jit; return the rows and decode them afterwards."
+    )
+  return strings.decode(np.asarray(rows))

@@ -103,6 +103,14 @@ class Resource(Trackable, nnx.Module):
       self.state  # noqa: B018  (creates and initializes first)
       self._cell.set_value(self._place(value))
 
+  def __setattr__(self, name: str, value: Any) -> None:
+    # NNX vets attribute values before Python's descriptors run; `state` is
+    # ours to store (in a ResourceState variable), whatever pytree it holds.
+    if name == "state":
+      type(self).state.fset(self, value)
+    else:
+      super().__setattr__(name, value)
+
   def destroy(self) -> None:
     """Runs ``_destroy_resource`` (once) and releases the state."""
     life = self._life()
@@ -112,7 +120,7 @@ class Resource(Trackable, nnx.Module):
       life.destroyed = True
       if life.created:
         self._destroy_resource()
-        del self._cell
+        vars(self).pop("_cell", None)
 
   def __del__(self):
     life = vars(self).get("_lifecycle")

@@ -1,0 +1,64 @@
+"""Strings as fixed-width rows of uint32 words (exact and reversible).
+
+A string of at most ``max_length`` UTF-8 bytes becomes ``string_width``
+words: the bytes packed big-endian and zero-padded, then the byte length.
+Comparing the words as unsigned integers, left to right, orders strings as
+their UTF-8 bytes (which is code-point order), and the trailing length keeps
+``"a"`` and ``"a\\0"`` apart.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def string_width(max_length: int) -> int:
+  """uint32 words per encoded string of at most ``max_length`` bytes."""
+  return -(-max_length // 4) + 1
+
+
+def check_max_length(max_length, name: str) -> int:
+  if isinstance(max_length, bool) or not isinstance(max_length, int) or not 0 < max_length <= 1 << 16:
+    raise ValueError(f"{name}: expected an int in [1, 65536], got {max_length!r}.")
+  return max_length
+
+
+def encode(strings, max_length: int, name: str = "keys") -> np.ndarray:
+  """str (or nested lists / arrays of str) -> uint32[..., string_width(max_length)].
+
+  Raises:
+    TypeError: an element is not a ``str`` or ``bytes``.
+    ValueError: an element is longer than ``max_length`` UTF-8 bytes.
+  """
+  items = np.asarray(strings, dtype=object)
+  width = string_width(max_length)
+  out = np.zeros((items.size, width), np.uint32)
+  padded = np.zeros((items.size, (width - 1) * 4), np.uint8)
+  for i, item in enumerate(items.reshape(-1)):
+    if isinstance(item, str):
+      data = item.encode("utf-8")
+    elif isinstance(item, bytes):
+      data = item
+    else:
+      raise TypeError(f"{name}: expected strings, got {type(item).__name__} {item!r}.")
+    if len(data) > max_length:
+      shown = item if len(item) <= 40 else item[:40] + "..."
+      raise ValueError(
+        f"{name}: {shown!r} is {len(data)} UTF-8 bytes, over this table's max length of {max_length}; "
+        "create the table with a larger max length."
+      )
+    padded[i, : len(data)] = np.frombuffer(data, np.uint8)
+    out[i, -1] = len(data)
+  out[:, :-1] = padded.view(">u4").astype(np.uint32)
+  return out.reshape((*items.shape, width))
+
+
+def decode(words) -> np.ndarray:
+  """uint32[..., width] -> NumPy array of ``str`` with the leading shape."""
+  words = np.asarray(words, dtype=np.uint32)
+  flat = words.reshape(-1, words.shape[-1])
+  data = flat[:, :-1].astype(">u4").view(np.uint8).reshape(flat.shape[0], 4 * (flat.shape[1] - 1))
+  out = np.empty(flat.shape[0], dtype=object)
+  for i, (row, length) in enumerate(zip(data, flat[:, -1])):
+    out[i] = row[: int(length)].tobytes().decode("utf-8")
+  return out.reshape(words.shape[:-1])

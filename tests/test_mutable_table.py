@@ -1,0 +1,243 @@
+"""jr.MutableHashTable against a dict oracle, the seed's scenarios, threads and NNX."""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxres as jr
+
+STORAGES = ["open_addressing", "sorted"]
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_seed_find_insert_find_with_strings(storage):
+  table = jr.MutableHashTable(str, np.float32, default_value=-999.0, storage=storage)
+  assert table.find(["one"]).tolist() == [-999.0]
+  table.insert(["one"], np.array([100.0], np.float32))
+  assert table.find(["one", "two"]).tolist() == [100.0, -999.0]
+  assert table.find(["two"], default=np.float32(-1.0)).tolist() == [-1.0]
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("key_dtype, value_dtype", [(np.int32, np.float32), (np.int64, np.int32)])
+def test_seed_find_insert_remove_find_under_jit(storage, key_dtype, value_dtype):
+  table = jr.MutableHashTable(key_dtype, value_dtype, default_value=-1, storage=storage)
+  keys = np.array([3, 7], key_dtype)
+  arg = jr.keys.split64(keys) if np.dtype(key_dtype).itemsize == 8 else jnp.asarray(keys)
+
+  @nnx.jit
+  def scenario(table, keys):
+    before = table.find(keys)
+    table.insert(keys, jnp.array([10, 20], value_dtype))
+    inserted = table.find(keys)
+    table.remove(keys[:1])
+    return before, inserted, table.find(keys)
+
+  before, inserted, after = scenario(table, arg)
+  assert before.tolist() == [-1, -1] and inserted.tolist() == [10, 20] and after.tolist() == [-1, 20]
+  assert len(table) == 1 and table.find(keys).tolist() == [-1, 20]
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_grows_and_never_loses_a_key(storage):
+  table = jr.MutableHashTable(np.int64, np.int64, default_value=0, initial_capacity=4, storage=storage)
+  keys = np.arange(3000, dtype=np.int64) * (2**33 + 1)
+  for chunk in np.array_split(keys, 7):
+    table.insert(chunk, -chunk)
+  assert len(table) == 3000 and table.capacity >= 3000
+  np.testing.assert_array_equal(table.find(keys), -keys)
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("key_dtype", [np.int32, np.uint64, str])
+def test_random_operations_match_dict(storage, key_dtype):
+  rng = np.random.default_rng(0)
+  table = jr.MutableHashTable(key_dtype, np.int32, default_value=-1, initial_capacity=4, storage=storage)
+  model = {}
+
+  def draw(n):
+    raw = rng.integers(0, 40, size=n)
+    if key_dtype is str:
+      return np.array([f"key-{k}-é" for k in raw], dtype=object)
+    return raw.astype(key_dtype)
+
+  for _ in range(25):
+    keys, values = draw(6), rng.integers(-100, 100, size=6).astype(np.int32)
+    op = rng.choice(["insert", "remove", "find"])
+    if op == "insert":
+      table.insert(keys, values)
+      model.update(zip(keys.tolist(), values.tolist()))
+    elif op == "remove":
+      table.remove(keys)
+      for k in keys.tolist():
+        model.pop(k, None)
+    else:
+      assert table.find(keys).tolist() == [model.get(k, -1) for k in keys.tolist()]
+      assert np.asarray(table.contains(keys)).tolist() == [k in model for k in keys.tolist()]
+    exported_keys, exported_values = table.export()
+    assert list(exported_keys) == sorted(model)
+    assert np.asarray(exported_values).tolist() == [model[k] for k in sorted(model)]
+    assert len(table) == len(model)
+
+
+def test_import_replaces_contents():
+  table = jr.MutableHashTable(np.int32, np.float32, default_value=0.0, initial_capacity=2)
+  table.insert(np.array([1, 2], np.int32), np.array([1.0, 2.0], np.float32))
+  table.import_(np.arange(10, 20, dtype=np.int32), np.arange(10, dtype=np.float32))
+  keys, values = table.export()
+  assert keys.tolist() == list(range(10, 20)) and values.tolist() == list(range(10))
+  assert table.find(np.array([1], np.int32)).tolist() == [0.0]
+
+
+def test_pytree_values_and_lookup():
+  default = {"emb": np.zeros(3, np.float32), "count": np.int32(0)}
+  table = jr.MutableHashTable(np.int32, {"emb": np.float32, "count": np.int32}, default_value=default)
+  table.insert(
+    np.array([5], np.int32), {"emb": np.ones((1, 3), np.float32), "count": np.array([2], np.int32)}
+  )
+  values, found = table.lookup(np.array([5, 6], np.int32))
+  assert values["emb"].tolist() == [[1.0] * 3, [0.0] * 3] and values["count"].tolist() == [2, 0]
+  assert found.tolist() == [True, False]
+
+
+def test_eight_threads_lose_no_update():
+  table = jr.MutableHashTable(np.int64, np.int64, default_value=-1, initial_capacity=8)
+  barrier = threading.Barrier(8)
+  errors = []
+
+  def worker(t):
+    try:
+      barrier.wait()
+      for i in range(20):
+        keys = np.arange(t * 1000 + i * 10, t * 1000 + i * 10 + 10, dtype=np.int64)
+        table.insert(keys, keys * 2)
+        if i % 4 == 3:
+          table.remove(keys[:2])
+    except Exception as err:
+      errors.append(err)
+
+  threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert not errors
+  expected = {}
+  for t in range(8):
+    for i in range(20):
+      keys = range(t * 1000 + i * 10, t * 1000 + i * 10 + 10)
+      expected.update({k: 2 * k for k in keys})
+      if i % 4 == 3:
+        for k in list(keys)[:2]:
+          del expected[k]
+  keys, values = table.export()
+  assert dict(zip(keys.tolist(), np.asarray(values).tolist())) == expected
+
+
+def test_repr_shows_a_few_entries_and_truncates():
+  table = jr.MutableHashTable(str, str, default_value="", initial_capacity=4)
+  assert repr(table) == "MutableHashTable(key=str, value=str, size=0, {})"
+  table.insert(["b", "a", "c", "d"], ["x" * 60, "y", "z", "w"])
+  text = str(table)
+  assert text.startswith("MutableHashTable(key=str, value=str, size=4, {'a': 'y', 'b': 'xxx")
+  assert " ..." in text and text.endswith(", ...})") and "'d'" not in text
+
+
+def test_bad_input_is_rejected_and_changes_nothing():
+  table = jr.MutableHashTable(str, np.int32, default_value=0, max_key_length=8)
+  table.insert(["ok"], np.array([1], np.int32))
+  with pytest.raises(ValueError, match="keys: 'much too long'"):
+    table.insert(["fine", "much too long"], np.array([2, 3], np.int32))
+  with pytest.raises(TypeError, match="keys"):
+    table.insert([3], np.array([1], np.int32))
+  with pytest.raises(ValueError, match="values"):
+    table.insert(["a", "b"], np.array([1, 2, 3], np.int32))
+  assert table.export()[0].tolist() == ["ok"]
+  with pytest.raises(ValueError, match="storage"):
+    jr.MutableHashTable(np.int32, np.int32, 0, storage="btree")
+  with pytest.raises(TypeError, match="key"):
+    jr.MutableHashTable(np.float32, np.int32, 0)
+  with pytest.raises(TypeError, match="default_value"):
+    jr.MutableHashTable(np.int32, str, 0)
+
+
+class Counter(nnx.Module):
+  def __init__(self, capacity):
+    self.table = jr.MutableHashTable(np.int32, np.int32, default_value=0, initial_capacity=capacity)
+
+
+def test_nnx_jit_updates_persist_without_retracing():
+  model = Counter(64)
+  traces = []
+
+  @nnx.jit
+  def step(model, keys):
+    traces.append(1)
+    model.table.insert(keys, model.table.find(keys) + 1)
+    return model.table.size()
+
+  for batch in ([1, 2, 3], [2, 3, 4], [3, 4, 5]):
+    step(model, jnp.array(batch, jnp.int32))
+  assert len(traces) == 1
+  keys, values = model.table.export()
+  assert dict(zip(keys.tolist(), values.tolist())) == {1: 1, 2: 2, 3: 3, 4: 2, 5: 1}
+
+
+def test_overflow_inside_jit_is_reported_on_next_eager_use():
+  model = Counter(4)
+
+  @nnx.jit
+  def step(model, keys):
+    model.table.insert(keys, keys)
+
+  step(model, jnp.arange(10, dtype=jnp.int32))  # 4 fit, 6 cannot: no growth inside jit
+  with pytest.raises(ValueError, match="6 key\\(s\\) were lost"):
+    model.table.find(jnp.array([0], jnp.int32))
+  assert len(model.table) == 4  # reported once; the table is usable again
+  model.table.reserve(32)
+  step(model, jnp.arange(10, dtype=jnp.int32))
+  assert len(model.table) == 10
+
+
+# The seed's 15 key/value dtype combinations, with jax_enable_x64 off.
+COMBINATIONS = [(np.int32, v) for v in (np.float64, np.float32, np.int32, str)]
+COMBINATIONS += [(np.int64, v) for v in (np.float64, np.float32, np.int32, np.int64, str)]
+COMBINATIONS += [(str, v) for v in (np.bool_, np.float64, np.float32, np.int32, np.int64, str)]
+
+
+def _name(t):
+  return "str" if t is str else np.dtype(t).name
+
+
+@pytest.mark.parametrize(
+  "key_dtype, value_dtype", COMBINATIONS, ids=[f"{_name(k)}-{_name(v)}" for k, v in COMBINATIONS]
+)
+def test_seed_dtype_combinations(key_dtype, value_dtype):
+  if key_dtype is str:
+    keys = np.array(["", "ζ", "long key " * 5], dtype=object)
+  else:
+    info = np.iinfo(key_dtype)
+    keys = np.array([info.min, -1, info.max], key_dtype)
+  if value_dtype is str:
+    values, default = np.array(["a", "", "ü" * 20], dtype=object), "?"
+  elif value_dtype is np.bool_:
+    values, default = np.array([True, False, True]), False
+  else:
+    info = np.iinfo(value_dtype) if np.dtype(value_dtype).kind == "i" else np.finfo(np.float32)
+    values, default = np.array([info.min, 0, info.max], value_dtype), value_dtype(7)
+  table = jr.MutableHashTable(key_dtype, value_dtype, default_value=default)
+  table.insert(keys, values)
+  found = table.find(keys)
+  np.testing.assert_array_equal(np.asarray(found), values)
+  exported_keys, exported_values = table.export()
+  order = np.argsort(keys, kind="stable")
+  np.testing.assert_array_equal(exported_keys, keys[order])
+  np.testing.assert_array_equal(np.asarray(exported_values), values[order])
+  if value_dtype is np.int64 or key_dtype is np.int64:
+    assert np.asarray(exported_keys).dtype == np.asarray(keys).dtype  # 64-bit stays exact
+  if value_dtype is np.float64 and not jax.config.read("jax_enable_x64"):
+    assert np.asarray(found).dtype == np.float32  # documented: float64 values are stored as float32
