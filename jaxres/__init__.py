@@ -11,20 +11,32 @@ from jaxres import keys as keys
 from jaxres._core.open_addressing import OpenAddressingTable as OpenAddressingTable
 from jaxres._core.sorted_table import SortedTable as SortedTable
 from jaxres._core.table import Table as Table
+from jaxres._shell.initializers import KeyValueInitializer as KeyValueInitializer
+from jaxres._shell.initializers import TextFileIndex as TextFileIndex
+from jaxres._shell.initializers import TextFileInitializer as TextFileInitializer
+from jaxres._shell.lookup_table import LookupTable as LookupTable
 from jaxres._shell.manager import ResourceManager as ResourceManager
 from jaxres._shell.mutable_table import MutableHashTable as MutableHashTable
 from jaxres._shell.resource import Resource as Resource
+from jaxres._shell.static_tables import StaticHashTable as StaticHashTable
+from jaxres._shell.static_tables import StaticVocabularyTable as StaticVocabularyTable
 from jaxres._tracking.trackable import AutoTrackable as AutoTrackable
 from jaxres._tracking.trackable import Trackable as Trackable
 
 __all__ = [
   "AutoTrackable",
+  "KeyValueInitializer",
+  "LookupTable",
   "MutableHashTable",
   "OpenAddressingTable",
   "Resource",
   "ResourceManager",
   "SortedTable",
+  "StaticHashTable",
+  "StaticVocabularyTable",
   "Table",
+  "TextFileIndex",
+  "TextFileInitializer",
   "Trackable",
   "keys",
 ]

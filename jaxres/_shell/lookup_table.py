@@ -1,0 +1,132 @@
+"""The read side shared by the stateful tables: codecs, lookups, export, repr."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxres._core import codec
+from jaxres._core.open_addressing import OpenAddressingTable
+from jaxres._core.sorted_table import SortedTable
+from jaxres._core.table import check_capacity
+from jaxres._shell.codecs import KeyCodec, ValueCodec
+from jaxres._shell.resource import Resource
+
+STORAGES = {"open_addressing": OpenAddressingTable, "sorted": SortedTable}
+_REPR_ENTRIES = 3
+_REPR_ENTRY_CHARS = 100
+
+
+class LookupTable(Resource):
+  """Base of the stateful tables: key/value codecs, reads, export and repr.
+
+  The state (:attr:`state`) is a functional :class:`jaxres.Table`. Keys may be
+  integers or strings, values dtypes, pytrees of dtypes or strings; 64-bit
+  integers are exact with ``jax_enable_x64`` off (NumPy arrays on the host).
+  """
+
+  def __init__(
+    self,
+    key_dtype,
+    value_dtype,
+    default_value,
+    *,
+    initial_capacity: int,
+    storage: str,
+    device=None,
+    max_key_length: int = 64,
+    max_value_length: int = 64,
+  ):
+    super().__init__(device=device)
+    if storage not in STORAGES:
+      raise ValueError(f"storage: expected one of {sorted(STORAGES)}, got {storage!r}.")
+    self._storage = STORAGES[storage]
+    self._key_codec = KeyCodec(key_dtype, max_key_length)
+    self._value_codec = ValueCodec(value_dtype, default_value, max_value_length)
+    self._initial_capacity = check_capacity(initial_capacity, "initial_capacity")
+    self._lock = threading.RLock()
+
+  def _empty(self, capacity: int):
+    values = self._value_codec
+    return self._storage.create(capacity, key=self._key_codec.spec, value=values.spec, default=values.default)
+
+  # ------------------------------------------------------------ helpers
+
+  def _current(self):
+    """The state, after reporting keys lost inside jit (eager use only)."""
+    table = self.state
+    if codec.is_traced(table.dropped):
+      return table
+    lost = int(table.dropped)
+    if lost:
+      self.state = dataclasses.replace(table, dropped=jnp.zeros_like(table.dropped))
+      raise ValueError(
+        f"{type(self).__name__}: {lost} key(s) were lost by an insert inside jit, where the table cannot "
+        f"grow (capacity {table.capacity}). Call reserve() before jitting, or start with a larger "
+        "initial_capacity."
+      )
+    return table
+
+  def find(self, keys, default=None):
+    """Values for ``keys``; missing keys get ``default`` (the table's default if ``None``)."""
+    with self._lock:
+      table = self._current()
+      if default is not None:
+        default = self._value_codec.encode(default, name="default")
+      return self._value_codec.decode(table.find(self._key_codec.encode(keys), default))
+
+  def lookup(self, keys):
+    """``(values, found)`` for ``keys`` from a single probe."""
+    with self._lock:
+      values, found = self._current().lookup(self._key_codec.encode(keys))
+      return self._value_codec.decode(values), found
+
+  def contains(self, keys):
+    """``bool[*batch]``: whether each key is present."""
+    with self._lock:
+      return self._current().contains(self._key_codec.encode(keys))
+
+  def export(self):
+    """``(keys, values)``: the live entries, sorted by key, with exact dtypes (eager only)."""
+    with self._lock:
+      table = self._current()
+      if codec.is_traced(table.size):
+        raise TypeError("export: the stateful export runs eagerly; inside jit use table.state.export().")
+      keys, values, valid = table.export()
+      live = np.asarray(valid)
+      keys = self._key_codec.decode(np.asarray(keys)[live])
+      order = self._key_codec.order(keys)
+      values = jax.tree.map(lambda v: v[live][order], values)
+      return keys[order], self._value_codec.decode(values)
+
+  @property
+  def capacity(self) -> int:
+    """Live entries the table holds before it next grows."""
+    return self.state.capacity
+
+  def size(self):
+    """The number of live entries (an int32 array)."""
+    return self._current().size
+
+  def __len__(self) -> int:
+    return int(self.size())
+
+  def __str__(self) -> str:
+    return repr(self)
+
+  def __repr__(self) -> str:
+    name = f"{type(self).__name__}(key={self._key_codec.name}, value={self._value_codec.name}"
+    if not self.created or codec.is_traced(self.state.size):
+      return name + ")"
+    keys, values = self.export()
+    shown = []
+    for i in range(min(_REPR_ENTRIES, len(keys))):
+      value = jax.tree.map(lambda v, i=i: np.asarray(v[i]).tolist(), values)
+      entry = f"{keys[i]!r}: {value!r}"
+      shown.append(entry if len(entry) <= _REPR_ENTRY_CHARS else entry[:_REPR_ENTRY_CHARS] + " ...")
+    more = ", ..." if len(keys) > _REPR_ENTRIES else ""
+    return f"{name}, size={len(keys)}, {{{', '.join(shown)}{more}}})"
