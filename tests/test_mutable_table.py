@@ -241,3 +241,24 @@ def test_seed_dtype_combinations(key_dtype, value_dtype):
     assert np.asarray(exported_keys).dtype == np.asarray(keys).dtype  # 64-bit stays exact
   if value_dtype is np.float64 and not jax.config.read("jax_enable_x64"):
     assert np.asarray(found).dtype == np.float32  # documented: float64 values are stored as float32
+
+
+def test_string_keys_travel_encoded_inside_nnx_jit():
+  table = jr.MutableHashTable(str, np.int32, default_value=-1, max_key_length=16)
+
+  @nnx.jit
+  def step(table, rows, values):
+    table.insert(rows, values)
+    return table.find(rows)
+
+  rows = jr.keys.encode_strings(["ab", "ζeta", ""], max_length=16)
+  assert step(table, rows, jnp.array([1, 2, 3], jnp.int32)).tolist() == [1, 2, 3]
+  assert table.find(["", "ab", "zz"]).tolist() == [3, 1, -1]
+  assert table.export()[0].tolist() == ["", "ab", "ζeta"]
+
+
+def test_device_placement_of_the_state():
+  device = jax.devices()[-1]
+  table = jr.MutableHashTable(np.int32, np.float32, default_value=0.0, device=device)
+  table.insert(np.array([1], np.int32), np.array([2.0], np.float32))
+  assert {d for leaf in jax.tree.leaves(table.state) for d in leaf.devices()} == {device}
