@@ -2,7 +2,7 @@
 
 This module runs in the main suite (x64 off, JAX's default) and again in a
 subprocess with JAX_ENABLE_X64=1 (see ``test_x64_suite``), together with the
-64-bit cases of the oracle tests.
+64-bit cases of the oracle tests and the stateful tables' dtype combinations.
 """
 
 import os
@@ -92,7 +92,12 @@ def test_x64_suite():
   """The 64-bit tests again, in a process with jax_enable_x64 on."""
   here = os.path.dirname(__file__)
   env = {**os.environ, "JAX_ENABLE_X64": "1"}
-  selection = ["test_keys.py", "test_table.py::test_random_operations_match_dict"]
+  selection = [
+    "test_keys.py",
+    "test_table.py::test_random_operations_match_dict",
+    "test_mutable_table.py::test_seed_dtype_combinations",
+    "test_static_tables.py::test_vocabulary_with_integer_keys_inside_jit",
+  ]
   cmd = [
     sys.executable,
     "-m",
