@@ -20,12 +20,16 @@ from jaxres._shell.mutable_table import MutableHashTable as MutableHashTable
 from jaxres._shell.resource import Resource as Resource
 from jaxres._shell.static_tables import StaticHashTable as StaticHashTable
 from jaxres._shell.static_tables import StaticVocabularyTable as StaticVocabularyTable
+from jaxres._tracking.checkpoint import Checkpoint as Checkpoint
+from jaxres._tracking.checkpoint import LoadStatus as LoadStatus
 from jaxres._tracking.trackable import AutoTrackable as AutoTrackable
 from jaxres._tracking.trackable import Trackable as Trackable
 
 __all__ = [
   "AutoTrackable",
+  "Checkpoint",
   "KeyValueInitializer",
+  "LoadStatus",
   "LookupTable",
   "MutableHashTable",
   "OpenAddressingTable",

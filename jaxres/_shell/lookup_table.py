@@ -56,6 +56,12 @@ class LookupTable(Resource):
 
   # ------------------------------------------------------------ helpers
 
+  def _restore_entries(self, keys, values) -> None:
+    """Replaces the contents with checkpointed entries (in the core's encoding)."""
+    with self._lock:
+      table = self._empty(max(self.state.capacity, len(keys), 1))
+      self.state = table.insert(keys, values) if len(keys) else table
+
   def _current(self):
     """The state, after reporting keys lost inside jit (eager use only)."""
     table = self.state

@@ -2,7 +2,8 @@
 
 A :class:`Trackable` knows its children by local name. :class:`AutoTrackable`
 records them on attribute assignment, also in subclasses whose ``__init__``
-never calls ``super().__init__()`` (the bookkeeping is created on first use).
+never calls ``super().__init__()`` (the bookkeeping is created on first use),
+and restores a child attached under a path that a checkpoint restore queued.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ class AutoTrackable(Trackable):
   """
 
   def __setattr__(self, name: str, value: Any) -> None:
+    deferred = self.__dict__.get("_jaxres_deferred", {}).get(name)
+    if deferred is not None:
+      # Restore-on-attach; a mismatch raises here, before anything changes.
+      value = deferred.restore(value)
+      del self.__dict__["_jaxres_deferred"][name]
     object.__setattr__(self, name, value)
     children = self.__dict__.setdefault("_jaxres_children", {})
     children.pop(name, None)

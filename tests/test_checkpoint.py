@@ -1,0 +1,198 @@
+"""jr.Checkpoint: round trips, deferred restore, load status, mismatches, paths, sizes."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxres as jr
+
+
+class Counter(jr.Resource):
+  def _create_resource(self):
+    return {"count": jnp.zeros((), jnp.int32), "total": jnp.zeros(3)}
+
+
+class Model(nnx.Module):
+  def __init__(self, seed=0):
+    self.dense = nnx.Linear(2, 3, rngs=nnx.Rngs(seed))
+    self.ids = jr.MutableHashTable(np.int64, np.int32, default_value=-1, initial_capacity=8)
+
+
+def _table():
+  return jr.MutableHashTable(str, np.float32, default_value=0.0, initial_capacity=4)
+
+
+def _build(seed=0):
+  root = jr.AutoTrackable()
+  root.words = _table()
+  root.words.insert(["a", "bb", "ccc"], np.array([1.0, 2.0, 3.0], np.float32))
+  root.step = jnp.array(7)
+  root.opt = {"mu": jnp.ones(2), "nu": [jnp.zeros(1), jnp.full((2,), 3.0)]}
+  root.child = jr.AutoTrackable()
+  root.child.counter = Counter()
+  root.child.counter.state = {"count": jnp.array(5, jnp.int32), "total": jnp.arange(3.0)}
+  root.model = Model(seed)
+  root.model.ids.insert(np.array([2**40, -1], np.int64), np.array([10, 20], np.int32))
+  return root
+
+
+def _assert_restored(root):
+  assert root.words.find(["a", "ccc", "zz"]).tolist() == [1.0, 3.0, 0.0]
+  assert int(root.step) == 7
+  assert root.opt["nu"][1].tolist() == [3.0, 3.0]
+  assert int(root.child.counter.state["count"]) == 5
+  assert root.model.ids.find(np.array([2**40, 5], np.int64)).tolist() == [10, -1]
+
+
+def test_round_trip_restores_existing_objects(tmp_path):
+  original = _build(seed=0)
+  path = jr.Checkpoint(root=original).save(tmp_path / "ckpt")
+  fresh = _build(seed=1)
+  fresh.words.remove(["a"])
+  fresh.step = jnp.array(0)
+  fresh.child.counter.state = {"count": jnp.array(0, jnp.int32), "total": jnp.zeros(3)}
+  fresh.model.ids.insert(np.array([99], np.int64), np.array([1], np.int32))
+  status = jr.Checkpoint(root=fresh).restore(path)
+  status.assert_consumed().assert_existing_objects_matched().assert_nontrivial_match()
+  assert status.pending == []
+  _assert_restored(fresh)
+  np.testing.assert_array_equal(fresh.model.dense.kernel.get_value(), original.model.dense.kernel.get_value())
+  assert len(fresh.model.ids) == 2  # contents replaced, not merged
+
+
+def test_deferred_restore_for_every_kind_of_child(tmp_path):
+  path = jr.Checkpoint(root=_build()).save(tmp_path / "ckpt")
+  fresh = jr.Checkpoint(root=jr.AutoTrackable())
+  status = fresh.restore(path)
+  assert status.pending == ["root/child", "root/model", "root/opt", "root/step", "root/words"]
+  with pytest.raises(AssertionError, match="no object"):
+    status.assert_consumed()
+  fresh.root.step = jnp.array(0)  # an array attribute takes the checkpointed value
+  fresh.root.opt = {"mu": jnp.zeros(2), "nu": [jnp.zeros(1), jnp.zeros(2)]}
+  fresh.root.words = _table()
+  fresh.root.child = jr.AutoTrackable()
+  assert status.pending == ["root/child/counter", "root/model"]
+  fresh.root.child.counter = Counter()
+  fresh.root.model = Model(seed=3)
+  assert status.pending == []
+  status.assert_consumed()
+  _assert_restored(fresh.root)
+
+
+def test_later_restore_wins(tmp_path):
+  first, second = _build(), _build()
+  second.step = jnp.array(8)
+  path1 = jr.Checkpoint(root=first).save(tmp_path / "one")
+  path2 = jr.Checkpoint(root=second).save(tmp_path / "two")
+  fresh = jr.Checkpoint(root=jr.AutoTrackable())
+  fresh.restore(path1)
+  status = fresh.restore(path2)
+  fresh.root.step = jnp.array(0)
+  assert int(fresh.root.step) == 8
+  assert "root/step" not in status.pending
+
+
+def test_wrong_kind_or_shape_raises_and_changes_nothing(tmp_path):
+  path = jr.Checkpoint(root=_build()).save(tmp_path / "ckpt")
+  fresh = jr.Checkpoint(root=jr.AutoTrackable())
+  status = fresh.restore(path)
+  with pytest.raises(TypeError, match="root/words"):
+    fresh.root.words = jnp.zeros(3)  # an array where a table was saved
+  assert not hasattr(fresh.root, "words") and "root/words" in status.pending
+  with pytest.raises(ValueError, match="root/step"):
+    fresh.root.step = jnp.zeros(2)
+  assert not hasattr(fresh.root, "step")
+  fresh.root.step = jnp.array(1)
+  assert int(fresh.root.step) == 7
+  # An eager restore checks everything before it changes anything.
+  existing = _build()
+  existing.words.remove(["a"])
+  existing.opt = {"mu": jnp.ones(5), "nu": [jnp.zeros(1), jnp.zeros(2)]}
+  with pytest.raises(ValueError, match="root/opt"):
+    jr.Checkpoint(root=existing).restore(path)
+  assert existing.words.find(["a"]).tolist() == [0.0]
+
+
+def test_names_with_dots_and_slashes_never_collide(tmp_path):
+  root = jr.AutoTrackable()
+  setattr(root, "a.b", jnp.array(1))
+  root.a = jr.AutoTrackable()
+  root.a.b = jnp.array(2)
+  setattr(root, "a/b", jnp.array(3))
+  root.tree = {"a.b": jnp.array(4), "a": {"b": jnp.array(5)}}
+  path = jr.Checkpoint(root=root).save(tmp_path / "ckpt")
+  nodes = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["nodes"]
+  assert {"root/a%2Eb", "root/a/b", "root/a%2Fb"} <= set(nodes)
+  fresh = jr.AutoTrackable()
+  for name in ("a.b", "a/b"):
+    setattr(fresh, name, jnp.array(0))
+  fresh.a = jr.AutoTrackable()
+  fresh.a.b = jnp.array(0)
+  fresh.tree = {"a.b": jnp.array(0), "a": {"b": jnp.array(0)}}
+  jr.Checkpoint(root=fresh).restore(path).assert_consumed()
+  values = [int(getattr(fresh, "a.b")), int(fresh.a.b), int(getattr(fresh, "a/b"))]
+  assert values == [1, 2, 3] and int(fresh.tree["a.b"]) == 4 and int(fresh.tree["a"]["b"]) == 5
+
+
+def test_shared_objects_are_saved_once(tmp_path):
+  root = jr.AutoTrackable()
+  root.first = root.second = _table()
+  root.first.insert(["x"], np.array([1.0], np.float32))
+  path = jr.Checkpoint(root=root).save(tmp_path / "ckpt")
+  nodes = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["nodes"]
+  assert nodes["root/second"] == {"kind": "alias", "of": "root/first"}
+  same = jr.AutoTrackable()
+  same.first = same.second = _table()
+  jr.Checkpoint(root=same).restore(path).assert_consumed()
+  assert same.second.find(["x"]).tolist() == [1.0]
+  split = jr.AutoTrackable()
+  split.first, split.second = _table(), _table()
+  status = jr.Checkpoint(root=split).restore(path)
+  assert split.second.find(["x"]).tolist() == [1.0]
+  with pytest.raises(AssertionError, match="shared differently"):
+    status.assert_existing_objects_matched()
+
+
+def test_tables_store_live_entries_only(tmp_path):
+  root = jr.AutoTrackable()
+  root.table = jr.MutableHashTable(np.int64, np.float32, default_value=0.0, initial_capacity=1 << 20)
+  root.table.insert(np.arange(10, dtype=np.int64), np.ones(10, np.float32))
+  path = jr.Checkpoint(root=root).save(tmp_path / "ckpt")
+  size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+  assert size < 1 << 20, f"{size} bytes"
+  small = jr.AutoTrackable()
+  small.table = jr.MutableHashTable(np.int64, np.float32, default_value=0.0, initial_capacity=2)
+  jr.Checkpoint(root=small).restore(path).assert_consumed()
+  assert len(small.table) == 10 and small.table.capacity >= 10
+
+
+def test_bad_checkpoints_are_clear_errors(tmp_path):
+  with pytest.raises(ValueError, match="not a jaxres checkpoint"):
+    jr.Checkpoint(root=jr.AutoTrackable()).restore(tmp_path)
+  path = jr.Checkpoint(root=_build()).save(tmp_path / "ckpt")
+  manifest = tmp_path / "ckpt" / "manifest.json"
+  data = json.loads(manifest.read_text())
+  data["version"] = 99
+  manifest.write_text(json.dumps(data))
+  with pytest.raises(ValueError, match="newer"):
+    jr.Checkpoint(root=jr.AutoTrackable()).restore(path)
+  manifest.write_text("{not json")
+  with pytest.raises(ValueError, match="corrupted"):
+    jr.Checkpoint(root=jr.AutoTrackable()).restore(path)
+
+
+def test_save_replaces_atomically(tmp_path):
+  root = jr.AutoTrackable()
+  root.step = jnp.array(1)
+  path = jr.Checkpoint(root=root).save(tmp_path / "ckpt")
+  root.step = jnp.array(2)
+  jr.Checkpoint(root=root).save(path)
+  assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+  fresh = jr.AutoTrackable()
+  fresh.step = jnp.array(0)
+  jr.Checkpoint(root=fresh).restore(path)
+  assert int(fresh.step) == 2
