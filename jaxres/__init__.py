@@ -22,12 +22,15 @@ from jaxres._shell.static_tables import StaticHashTable as StaticHashTable
 from jaxres._shell.static_tables import StaticVocabularyTable as StaticVocabularyTable
 from jaxres._tracking.checkpoint import Checkpoint as Checkpoint
 from jaxres._tracking.checkpoint import LoadStatus as LoadStatus
+from jaxres._tracking.inspect import inspect_checkpoint as inspect_checkpoint
+from jaxres._tracking.manager import CheckpointManager as CheckpointManager
 from jaxres._tracking.trackable import AutoTrackable as AutoTrackable
 from jaxres._tracking.trackable import Trackable as Trackable
 
 __all__ = [
   "AutoTrackable",
   "Checkpoint",
+  "CheckpointManager",
   "KeyValueInitializer",
   "LoadStatus",
   "LookupTable",

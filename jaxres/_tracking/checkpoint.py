@@ -127,6 +127,11 @@ def read_manifest(directory: str) -> dict:
     raise ValueError(f"{directory}: not a jaxres checkpoint (no {MANIFEST}).") from None
   except json.JSONDecodeError as err:
     raise ValueError(f"{path}: corrupted manifest ({err}).") from None
+  return check_manifest(manifest, path)
+
+
+def check_manifest(manifest, path: str) -> dict:
+  """``manifest`` if it is a jaxres manifest this version can read; else ``ValueError``."""
   if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
     raise ValueError(f"{path}: not a jaxres checkpoint manifest.")
   if not isinstance(manifest.get("version"), int) or manifest["version"] > VERSION:
@@ -167,20 +172,13 @@ class Checkpoint(AutoTrackable):
 
   def save(self, path: str) -> str:
     """Writes the graph to the directory ``path`` (replacing it atomically); returns it."""
-    writer = nodes.Writer()
-    nodes.save_node(self, "", writer)
-    manifest = {
-      "format": FORMAT,
-      "version": VERSION,
-      "nodes": writer.nodes,
-      "arrays": {key: storage.spec_of(value) for key, value in writer.arrays.items()},
-    }
+    manifest, arrays = self._collect()
     path = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.saving-", dir=parent)
     try:
-      storage.save_arrays(staging, writer.arrays)
+      storage.save_arrays(staging, arrays)
       with open(os.path.join(staging, MANIFEST), "w", encoding="utf-8") as f:
         json.dump(manifest, f)
         f.flush()
@@ -202,8 +200,23 @@ class Checkpoint(AutoTrackable):
     """
     directory = os.path.abspath(os.fspath(path))
     manifest = read_manifest(directory)
-    reader = nodes.Reader(manifest["nodes"], storage.load_arrays(directory, manifest["arrays"]))
-    status = LoadStatus(reader, directory)
+    return self._apply(manifest, storage.load_arrays(directory, manifest["arrays"]), directory)
+
+  def _collect(self) -> tuple[dict, dict]:
+    """``(manifest, arrays)`` describing the graph now."""
+    writer = nodes.Writer()
+    nodes.save_node(self, "", writer)
+    manifest = {
+      "format": FORMAT,
+      "version": VERSION,
+      "nodes": writer.nodes,
+      "arrays": {key: storage.spec_of(value) for key, value in writer.arrays.items()},
+    }
+    return manifest, writer.arrays
+
+  def _apply(self, manifest: dict, arrays: dict, label: str) -> LoadStatus:
+    reader = nodes.Reader(manifest["nodes"], arrays)
+    status = LoadStatus(reader, label)
     report = nodes.Report()
     actions = nodes.plan_restore(reader, self, "", report)
     _apply(actions, report, reader, status)

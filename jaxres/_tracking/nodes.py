@@ -52,7 +52,9 @@ class Writer:
 
   def add(self, value) -> str:
     key = f"e{len(self.arrays)}"
-    self.arrays[key] = np.asarray(value)
+    # A copy: the save may finish asynchronously, after the source buffers
+    # have been donated to a jitted update.
+    self.arrays[key] = np.array(value, copy=True)
     return key
 
 

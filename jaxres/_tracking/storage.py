@@ -52,15 +52,71 @@ def load_arrays(directory: str, specs: dict[str, dict]) -> dict[str, np.ndarray]
       ) from err
     finally:
       checkpointer.close()
+  return _fill(directory, specs, restored)
+
+
+def _fill(label: str, specs: dict[str, dict], restored: dict) -> dict[str, np.ndarray]:
+  """Restored arrays checked against their specs; empty arrays recreated."""
   out = {}
   for key, spec in specs.items():
-    if key in stored:
+    if np.prod(spec["shape"], dtype=np.int64):
       if key not in restored:
-        raise ValueError(f"{directory}: array {key} is missing from the checkpoint.")
+        raise ValueError(f"{label}: array {key} is missing from the checkpoint.")
       value = np.asarray(restored[key])
     else:
       value = np.zeros(spec["shape"], spec["dtype"])
     if list(value.shape) != spec["shape"] or str(value.dtype) != spec["dtype"]:
-      raise ValueError(f"{directory}: array {key} is {value.dtype}{list(value.shape)}, expected {spec}.")
+      raise ValueError(f"{label}: array {key} is {value.dtype}{list(value.shape)}, expected {spec}.")
     out[key] = value
   return out
+
+
+class StepStore:
+  """Numbered checkpoints in one directory, on Orbax's ``CheckpointManager``.
+
+  Each step holds a JSON manifest and the non-empty arrays. Orbax writes a
+  step to a temporary directory and commits it by renaming, so a save that is
+  interrupted never shows up in :meth:`all_steps`. Saves run asynchronously;
+  every read waits for them first.
+  """
+
+  def __init__(self, directory: str, max_to_keep: int | None):
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=True)
+    self._manager = ocp.CheckpointManager(os.path.abspath(directory), options=options)
+
+  def save(self, step: int, manifest: dict, arrays: dict[str, np.ndarray]) -> None:
+    items = {"manifest": ocp.args.JsonSave(manifest)}
+    stored = {key: value for key, value in arrays.items() if value.size}
+    if stored:
+      items["arrays"] = ocp.args.StandardSave(stored)
+    self._manager.save(step, args=ocp.args.Composite(**items))
+
+  def load(self, step: int, check_manifest) -> tuple[dict, dict[str, np.ndarray]]:
+    """``(manifest, arrays)`` of ``step``; ``check_manifest`` vets the manifest first."""
+    self.wait()
+    label = os.path.join(str(self._manager.directory), str(step))
+    manifest = self._manager.restore(step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore()))[
+      "manifest"
+    ]
+    manifest = check_manifest(manifest, label)
+    specs = manifest["arrays"]
+    restored = {}
+    if any(np.prod(spec["shape"], dtype=np.int64) for spec in specs.values()):
+      try:
+        args = ocp.args.Composite(arrays=ocp.args.StandardRestore())
+        restored = self._manager.restore(step, args=args)["arrays"]
+      except Exception as err:
+        raise ValueError(
+          f"{label}: cannot read the checkpoint's arrays ({type(err).__name__}: {err})."
+        ) from err
+    return manifest, _fill(label, specs, restored)
+
+  def all_steps(self) -> list[int]:
+    self.wait()
+    return sorted(self._manager.all_steps())
+
+  def wait(self) -> None:
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.close()
