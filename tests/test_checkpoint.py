@@ -50,13 +50,13 @@ def _assert_restored(root):
 
 def test_round_trip_restores_existing_objects(tmp_path):
   original = _build(seed=0)
-  path = jr.Checkpoint(root=original).save(tmp_path / "ckpt")
+  path = jr.Checkpoint(model=original).save(tmp_path / "ckpt")
   fresh = _build(seed=1)
   fresh.words.remove(["a"])
   fresh.step = jnp.array(0)
   fresh.child.counter.state = {"count": jnp.array(0, jnp.int32), "total": jnp.zeros(3)}
   fresh.model.ids.insert(np.array([99], np.int64), np.array([1], np.int32))
-  status = jr.Checkpoint(root=fresh).restore(path)
+  status = jr.Checkpoint(model=fresh).restore(path)
   status.assert_consumed().assert_existing_objects_matched().assert_nontrivial_match()
   assert status.pending == []
   _assert_restored(fresh)
@@ -65,55 +65,55 @@ def test_round_trip_restores_existing_objects(tmp_path):
 
 
 def test_deferred_restore_for_every_kind_of_child(tmp_path):
-  path = jr.Checkpoint(root=_build()).save(tmp_path / "ckpt")
-  fresh = jr.Checkpoint(root=jr.AutoTrackable())
+  path = jr.Checkpoint(model=_build()).save(tmp_path / "ckpt")
+  fresh = jr.Checkpoint(model=jr.AutoTrackable())
   status = fresh.restore(path)
-  assert status.pending == ["root/child", "root/model", "root/opt", "root/step", "root/words"]
+  assert status.pending == ["model/child", "model/model", "model/opt", "model/step", "model/words"]
   with pytest.raises(AssertionError, match="no object"):
     status.assert_consumed()
-  fresh.root.step = jnp.array(0)  # an array attribute takes the checkpointed value
-  fresh.root.opt = {"mu": jnp.zeros(2), "nu": [jnp.zeros(1), jnp.zeros(2)]}
-  fresh.root.words = _table()
-  fresh.root.child = jr.AutoTrackable()
-  assert status.pending == ["root/child/counter", "root/model"]
-  fresh.root.child.counter = Counter()
-  fresh.root.model = Model(seed=3)
+  fresh.model.step = jnp.array(0)  # an array attribute takes the checkpointed value
+  fresh.model.opt = {"mu": jnp.zeros(2), "nu": [jnp.zeros(1), jnp.zeros(2)]}
+  fresh.model.words = _table()
+  fresh.model.child = jr.AutoTrackable()
+  assert status.pending == ["model/child/counter", "model/model"]
+  fresh.model.child.counter = Counter()
+  fresh.model.model = Model(seed=3)
   assert status.pending == []
   status.assert_consumed()
-  _assert_restored(fresh.root)
+  _assert_restored(fresh.model)
 
 
 def test_later_restore_wins(tmp_path):
   first, second = _build(), _build()
   second.step = jnp.array(8)
-  path1 = jr.Checkpoint(root=first).save(tmp_path / "one")
-  path2 = jr.Checkpoint(root=second).save(tmp_path / "two")
-  fresh = jr.Checkpoint(root=jr.AutoTrackable())
+  path1 = jr.Checkpoint(model=first).save(tmp_path / "one")
+  path2 = jr.Checkpoint(model=second).save(tmp_path / "two")
+  fresh = jr.Checkpoint(model=jr.AutoTrackable())
   fresh.restore(path1)
   status = fresh.restore(path2)
-  fresh.root.step = jnp.array(0)
-  assert int(fresh.root.step) == 8
-  assert "root/step" not in status.pending
+  fresh.model.step = jnp.array(0)
+  assert int(fresh.model.step) == 8
+  assert "model/step" not in status.pending
 
 
 def test_wrong_kind_or_shape_raises_and_changes_nothing(tmp_path):
-  path = jr.Checkpoint(root=_build()).save(tmp_path / "ckpt")
-  fresh = jr.Checkpoint(root=jr.AutoTrackable())
+  path = jr.Checkpoint(model=_build()).save(tmp_path / "ckpt")
+  fresh = jr.Checkpoint(model=jr.AutoTrackable())
   status = fresh.restore(path)
-  with pytest.raises(TypeError, match="root/words"):
-    fresh.root.words = jnp.zeros(3)  # an array where a table was saved
-  assert not hasattr(fresh.root, "words") and "root/words" in status.pending
-  with pytest.raises(ValueError, match="root/step"):
-    fresh.root.step = jnp.zeros(2)
-  assert not hasattr(fresh.root, "step")
-  fresh.root.step = jnp.array(1)
-  assert int(fresh.root.step) == 7
+  with pytest.raises(TypeError, match="model/words"):
+    fresh.model.words = jnp.zeros(3)  # an array where a table was saved
+  assert not hasattr(fresh.model, "words") and "model/words" in status.pending
+  with pytest.raises(ValueError, match="model/step"):
+    fresh.model.step = jnp.zeros(2)
+  assert not hasattr(fresh.model, "step")
+  fresh.model.step = jnp.array(1)
+  assert int(fresh.model.step) == 7
   # An eager restore checks everything before it changes anything.
   existing = _build()
   existing.words.remove(["a"])
   existing.opt = {"mu": jnp.ones(5), "nu": [jnp.zeros(1), jnp.zeros(2)]}
-  with pytest.raises(ValueError, match="root/opt"):
-    jr.Checkpoint(root=existing).restore(path)
+  with pytest.raises(ValueError, match="model/opt"):
+    jr.Checkpoint(model=existing).restore(path)
   assert existing.words.find(["a"]).tolist() == [0.0]
 
 
@@ -124,16 +124,16 @@ def test_names_with_dots_and_slashes_never_collide(tmp_path):
   root.a.b = jnp.array(2)
   setattr(root, "a/b", jnp.array(3))
   root.tree = {"a.b": jnp.array(4), "a": {"b": jnp.array(5)}}
-  path = jr.Checkpoint(root=root).save(tmp_path / "ckpt")
+  path = jr.Checkpoint(model=root).save(tmp_path / "ckpt")
   nodes = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["nodes"]
-  assert {"root/a%2Eb", "root/a/b", "root/a%2Fb"} <= set(nodes)
+  assert {"model/a%2Eb", "model/a/b", "model/a%2Fb"} <= set(nodes)
   fresh = jr.AutoTrackable()
   for name in ("a.b", "a/b"):
     setattr(fresh, name, jnp.array(0))
   fresh.a = jr.AutoTrackable()
   fresh.a.b = jnp.array(0)
   fresh.tree = {"a.b": jnp.array(0), "a": {"b": jnp.array(0)}}
-  jr.Checkpoint(root=fresh).restore(path).assert_consumed()
+  jr.Checkpoint(model=fresh).restore(path).assert_consumed()
   values = [int(getattr(fresh, "a.b")), int(fresh.a.b), int(getattr(fresh, "a/b"))]
   assert values == [1, 2, 3] and int(fresh.tree["a.b"]) == 4 and int(fresh.tree["a"]["b"]) == 5
 
@@ -142,16 +142,16 @@ def test_shared_objects_are_saved_once(tmp_path):
   root = jr.AutoTrackable()
   root.first = root.second = _table()
   root.first.insert(["x"], np.array([1.0], np.float32))
-  path = jr.Checkpoint(root=root).save(tmp_path / "ckpt")
+  path = jr.Checkpoint(model=root).save(tmp_path / "ckpt")
   nodes = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["nodes"]
-  assert nodes["root/second"] == {"kind": "alias", "of": "root/first"}
+  assert nodes["model/second"] == {"kind": "alias", "of": "model/first"}
   same = jr.AutoTrackable()
   same.first = same.second = _table()
-  jr.Checkpoint(root=same).restore(path).assert_consumed()
+  jr.Checkpoint(model=same).restore(path).assert_consumed()
   assert same.second.find(["x"]).tolist() == [1.0]
   split = jr.AutoTrackable()
   split.first, split.second = _table(), _table()
-  status = jr.Checkpoint(root=split).restore(path)
+  status = jr.Checkpoint(model=split).restore(path)
   assert split.second.find(["x"]).tolist() == [1.0]
   with pytest.raises(AssertionError, match="shared differently"):
     status.assert_existing_objects_matched()
@@ -161,38 +161,52 @@ def test_tables_store_live_entries_only(tmp_path):
   root = jr.AutoTrackable()
   root.table = jr.MutableHashTable(np.int64, np.float32, default_value=0.0, initial_capacity=1 << 20)
   root.table.insert(np.arange(10, dtype=np.int64), np.ones(10, np.float32))
-  path = jr.Checkpoint(root=root).save(tmp_path / "ckpt")
+  path = jr.Checkpoint(model=root).save(tmp_path / "ckpt")
   size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
   assert size < 1 << 20, f"{size} bytes"
   small = jr.AutoTrackable()
   small.table = jr.MutableHashTable(np.int64, np.float32, default_value=0.0, initial_capacity=2)
-  jr.Checkpoint(root=small).restore(path).assert_consumed()
+  jr.Checkpoint(model=small).restore(path).assert_consumed()
   assert len(small.table) == 10 and small.table.capacity >= 10
 
 
 def test_bad_checkpoints_are_clear_errors(tmp_path):
   with pytest.raises(ValueError, match="not a jaxres checkpoint"):
-    jr.Checkpoint(root=jr.AutoTrackable()).restore(tmp_path)
-  path = jr.Checkpoint(root=_build()).save(tmp_path / "ckpt")
+    jr.Checkpoint(model=jr.AutoTrackable()).restore(tmp_path)
+  path = jr.Checkpoint(model=_build()).save(tmp_path / "ckpt")
   manifest = tmp_path / "ckpt" / "manifest.json"
   data = json.loads(manifest.read_text())
   data["version"] = 99
   manifest.write_text(json.dumps(data))
   with pytest.raises(ValueError, match="newer"):
-    jr.Checkpoint(root=jr.AutoTrackable()).restore(path)
+    jr.Checkpoint(model=jr.AutoTrackable()).restore(path)
   manifest.write_text("{not json")
   with pytest.raises(ValueError, match="corrupted"):
-    jr.Checkpoint(root=jr.AutoTrackable()).restore(path)
+    jr.Checkpoint(model=jr.AutoTrackable()).restore(path)
 
 
 def test_save_replaces_atomically(tmp_path):
   root = jr.AutoTrackable()
   root.step = jnp.array(1)
-  path = jr.Checkpoint(root=root).save(tmp_path / "ckpt")
+  path = jr.Checkpoint(model=root).save(tmp_path / "ckpt")
   root.step = jnp.array(2)
-  jr.Checkpoint(root=root).save(path)
+  jr.Checkpoint(model=root).save(path)
   assert sorted(os.listdir(tmp_path)) == ["ckpt"]
   fresh = jr.AutoTrackable()
   fresh.step = jnp.array(0)
-  jr.Checkpoint(root=fresh).restore(path)
+  jr.Checkpoint(model=fresh).restore(path)
   assert int(fresh.step) == 2
+
+
+def test_root_argument_is_the_graph_root(tmp_path):
+  root = jr.AutoTrackable()
+  root.step = jnp.array(4)
+  checkpoint = jr.Checkpoint(root=root, extra=jnp.array(1))
+  assert int(root.extra) == 1 and int(checkpoint.step) == 4
+  path = checkpoint.save(tmp_path / "ckpt")
+  assert [e["path"] for e in jr.inspect_checkpoint(path)] == ["", "extra", "step"]
+  fresh = jr.AutoTrackable()
+  status = jr.Checkpoint(root=fresh).restore(path)
+  assert status.pending == ["extra", "step"]
+  fresh.step = jnp.array(0)
+  assert int(fresh.step) == 4

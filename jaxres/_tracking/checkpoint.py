@@ -145,8 +145,10 @@ class Checkpoint(AutoTrackable):
   """Saves and restores a graph of objects, like ``tf.train.Checkpoint``.
 
   Children are given by keyword (``Checkpoint(model=root)``) and found by
-  attribute. Objects are tables and other resources, ``jr.AutoTrackable`` s,
-  ``nnx.Module`` s, and arrays or pytrees of arrays. Tables store their live
+  attribute; ``Checkpoint(root=obj)`` makes ``obj`` itself the root of the
+  graph (keyword children are then set on it), as in TensorFlow. Objects are
+  tables and other resources, ``jr.AutoTrackable`` s, ``nnx.Module`` s, and
+  arrays or pytrees of arrays. Tables store their live
   entries only, so checkpoints grow with the number of entries, not with the
   capacity.
 
@@ -166,9 +168,23 @@ class Checkpoint(AutoTrackable):
     >>> _ = status.assert_consumed()
   """
 
-  def __init__(self, **children: Any):
+  def __init__(self, root: Any = None, **children: Any):
+    # As in TensorFlow: `root` is the object graph's root, and keyword
+    # children are set on it; without one, the checkpoint is its own root.
+    object.__setattr__(self, "_root", self if root is None else root)
     for name, child in children.items():
-      setattr(self, name, child)
+      setattr(self._root, name, child)
+
+  def __getattr__(self, name: str) -> Any:
+    root = self.__dict__.get("_root")
+    if root is None or root is self:
+      raise AttributeError(name)
+    return getattr(root, name)
+
+  def _trackable_children(self) -> dict[str, Any]:
+    if self._root is self:
+      return super()._trackable_children()
+    return self._root._trackable_children()
 
   def save(self, path: str) -> str:
     """Writes the graph to the directory ``path`` (replacing it atomically); returns it."""
@@ -205,7 +221,7 @@ class Checkpoint(AutoTrackable):
   def _collect(self) -> tuple[dict, dict]:
     """``(manifest, arrays)`` describing the graph now."""
     writer = nodes.Writer()
-    nodes.save_node(self, "", writer)
+    nodes.save_node(self._root, "", writer)
     manifest = {
       "format": FORMAT,
       "version": VERSION,
@@ -218,7 +234,7 @@ class Checkpoint(AutoTrackable):
     reader = nodes.Reader(manifest["nodes"], arrays)
     status = LoadStatus(reader, label)
     report = nodes.Report()
-    actions = nodes.plan_restore(reader, self, "", report)
+    actions = nodes.plan_restore(reader, self._root, "", report)
     _apply(actions, report, reader, status)
     return status
 

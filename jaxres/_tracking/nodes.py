@@ -99,6 +99,7 @@ def save_node(obj: Any, path: str, writer: Writer) -> None:
     keys, values, valid = obj.state.export()
     live = np.asarray(valid)
     node["config"] = {"key": obj._key_codec.name, "value": obj._value_codec.name}
+    node["capacity"] = obj.state.capacity  # informational: restores rehash into any capacity
     node["keys"] = writer.add(np.asarray(keys)[live])
     node["values"] = [writer.add(np.asarray(v)[live]) for v in jax.tree.leaves(values)]
   elif kind == "resource":
