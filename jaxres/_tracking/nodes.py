@@ -106,9 +106,10 @@ def save_node(obj: Any, path: str, writer: Writer) -> None:
     node["values"] = [writer.add(v) for v in jax.tree.leaves(obj.state)]
   elif kind == "module":
     node["variables"] = {name: writer.add(var.get_value()) for name, var in _module_variables(obj)}
-    node["children"] = sorted(_module_resources(obj))
-    for name, resource in _module_resources(obj).items():
-      save_node(resource, paths.child(path, name), writer)
+    resources = _module_resources(obj)
+    node["children"] = sorted(resources)
+    for name in node["children"]:
+      save_node(resources[name], paths.child(path, name), writer)
   elif kind == "trackable":
     children = obj._trackable_children()
     node["children"] = list(children)
@@ -156,7 +157,7 @@ def _same_array(existing, restored: np.ndarray, path: str) -> None:
 
 def _check_kind(obj, node: dict, path: str) -> None:
   kind = kind_of(obj)
-  if kind != node["kind"] and not (kind == "array" and node["kind"] == "array"):
+  if kind != node["kind"]:
     raise TypeError(
       f"{path}: the checkpoint holds a {node['kind']} ({node['type']}), got a {kind} ({type(obj).__name__})."
     )
