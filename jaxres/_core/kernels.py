@@ -22,11 +22,14 @@ if TYPE_CHECKING:
   from jaxres._core.table import Table
 
 
-def _take(leaves, index):
+def take_rows(leaves, index):
+  """Rows ``index`` of every leaf (clipped)."""
   return [jnp.take(x, index, axis=0, mode="clip") for x in leaves]
 
 
-def _select(mask, on_true, on_false):
+def select_rows(mask, on_true, on_false):
+  """Per row, the leaves of ``on_true`` where ``mask`` else those of ``on_false``."""
+
   def pick(a, b):
     return jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), a, b)
 
@@ -36,7 +39,7 @@ def _select(mask, on_true, on_false):
 @jax.jit
 def lookup(table: Table, words, defaults):
   found, slot = table._locate(words)
-  return _select(found, _take(table.values, slot), defaults), found
+  return select_rows(found, take_rows(table.values, slot), defaults), found
 
 
 @jax.jit
@@ -87,8 +90,8 @@ def apply(table: Table, words, leaves, *, fn):
     rows, target = claims.pending_rows(pending, claims.chunk_size(pending.shape[0]))
     live = pending[rows] & (target < pending.shape[0])
     earliest = claims.first_per_slot(slot[rows], live)
-    old = jax.tree.unflatten(treedef, _take(table.values, slot[rows]))
-    new = jax.tree.unflatten(treedef, _take(leaves, rows))
+    old = jax.tree.unflatten(treedef, take_rows(table.values, slot[rows]))
+    new = jax.tree.unflatten(treedef, take_rows(leaves, rows))
     folded = jax.tree.leaves(jax.vmap(fn)(old, new))
     return table._write(slot[rows], folded, earliest), pending.at[target].set(live & ~earliest, mode="drop")
 
@@ -133,7 +136,7 @@ def update_existing(table: Table, leaves, slot, mode: str) -> tuple[Table, list]
   if mode == "insert":
     last = claims.first_per_slot(slot, jnp.ones(slot.shape, bool), last=True)
     return table._write(slot, leaves, last), []
-  return table, _take(table.values, slot)
+  return table, take_rows(table.values, slot)
 
 
 def exact_upsert(table: Table, words, leaves, active, mode: str) -> tuple[Table, list]:
@@ -143,10 +146,10 @@ def exact_upsert(table: Table, words, leaves, active, mode: str) -> tuple[Table,
   keys admitted are those a one-at-a-time loop would have inserted).
   """
   groups = table._group(words, active)
-  rows = _take(leaves, groups.perm)
+  rows = take_rows(leaves, groups.perm)
   found, slot = table._locate(groups.words)
   if mode == "insert":
-    rows = _take(rows, groups.end)
+    rows = take_rows(rows, groups.end)
   heads = groups.head & groups.active
   new = heads & ~found
   rank = batch_lib.first_occurrence_rank(groups, new)
@@ -156,8 +159,8 @@ def exact_upsert(table: Table, words, leaves, active, mode: str) -> tuple[Table,
   out = []
   if mode == "first":
     defaults = [jnp.broadcast_to(d, x.shape) for d, x in zip(table.default, rows)]
-    out = _select(found, _take(table.values, slot), _select(admitted, rows, defaults))
-    out = batch_lib.unsort(groups, _take(out, groups.start))
+    out = select_rows(found, take_rows(table.values, slot), select_rows(admitted, rows, defaults))
+    out = batch_lib.unsort(groups, take_rows(out, groups.start))
   else:
     table = table._write(slot, rows, heads & found)
   table = table._place(groups, admitted, rows)

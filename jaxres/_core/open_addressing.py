@@ -36,8 +36,8 @@ from jax import lax
 from jaxres._core import batch as batch_lib
 from jaxres._core import claims, codec
 from jaxres._core.hashing import hash_words
-from jaxres._core.kernels import exact_upsert
-from jaxres._core.table import Table, check_capacity, pytree_dataclass, static_field
+from jaxres._core.kernels import exact_upsert, select_rows, take_rows
+from jaxres._core.table import Table, check_capacity, empty_fields, pytree_dataclass, static_field
 from jaxres._core.values import ValueSpec
 
 _MAX_LOAD = 0.5  # live entries per slot at full capacity: short probe chains, ~26 B/entry
@@ -305,33 +305,16 @@ def _claim_upsert(table: OpenAddressingTable, words, leaves, found, slot, admitt
   )
   if mode == "insert":
     return table._write(slot, leaves, claims.first_per_slot(slot, found | admitted, last=True)), []
-  old = _gather(table.values, slot)
-  out = [
-    jnp.where(_expand(found, o), o, jnp.where(_expand(admitted, o), new[first], d))
-    for o, new, d in zip(old, leaves, table.default)
-  ]
+  defaults = [jnp.broadcast_to(d, x.shape) for d, x in zip(table.default, leaves)]
+  new_values = select_rows(admitted, take_rows(leaves, first), defaults)
+  out = select_rows(found, take_rows(table.values, slot), new_values)
   return table._write(slot, leaves, new_head), out
-
-
-def _gather(values, slot):
-  return [jnp.take(v, slot, axis=0, mode="clip") for v in values]
-
-
-def _expand(mask, like):
-  return mask.reshape(mask.shape + (1,) * (like.ndim - 1))
 
 
 def _empty(capacity, key_spec, value_spec, default, bucket_size):
   num_buckets = max(1, math.ceil(capacity / (bucket_size * _MAX_LOAD)))
-  slots = num_buckets * bucket_size
   return OpenAddressingTable(
     buckets=jnp.zeros((num_buckets, bucket_size * key_spec.num_words + 2), jnp.uint32),
-    values=tuple(value_spec.empty((slots,))),
-    default=tuple(default),
-    size=jnp.zeros((), jnp.int32),
-    dropped=jnp.zeros((), jnp.int32),
-    capacity=capacity,
-    key_spec=key_spec,
-    value_spec=value_spec,
     bucket_size=bucket_size,
+    **empty_fields(capacity, key_spec, value_spec, default, rows=num_buckets * bucket_size),
   )

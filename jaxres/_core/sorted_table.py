@@ -22,7 +22,7 @@ from jax import lax
 from jaxres._core import batch as batch_lib
 from jaxres._core import codec
 from jaxres._core.kernels import exact_upsert, update_existing
-from jaxres._core.table import Table, check_capacity, pytree_dataclass, static_field
+from jaxres._core.table import Table, check_capacity, empty_fields, pytree_dataclass, static_field
 from jaxres._core.values import ValueSpec
 
 
@@ -173,11 +173,5 @@ def _empty(capacity, key_spec, value_spec, default):
     keys=jnp.zeros((capacity, key_spec.num_words), jnp.uint32),
     live=jnp.zeros((capacity,), bool),
     count=jnp.zeros((), jnp.int32),
-    values=tuple(value_spec.empty((capacity,))),
-    default=tuple(default),
-    size=jnp.zeros((), jnp.int32),
-    dropped=jnp.zeros((), jnp.int32),
-    capacity=capacity,
-    key_spec=key_spec,
-    value_spec=value_spec,
+    **empty_fields(capacity, key_spec, value_spec, default, rows=capacity),
   )

@@ -54,6 +54,19 @@ def check_capacity(capacity, name: str = "capacity") -> int:
   return capacity
 
 
+def empty_fields(capacity: int, key_spec, value_spec, default, rows: int) -> dict:
+  """The fields every storage starts with: no entries and ``rows`` value rows."""
+  return {
+    "values": tuple(value_spec.empty((rows,))),
+    "default": tuple(default),
+    "size": jnp.zeros((), jnp.int32),
+    "dropped": jnp.zeros((), jnp.int32),
+    "capacity": capacity,
+    "key_spec": key_spec,
+    "value_spec": value_spec,
+  }
+
+
 class Table(abc.ABC):
   """Common protocol of jaxres hash tables: immutable pytrees, pure methods.
 
