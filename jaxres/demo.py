@@ -1,92 +1,153 @@
-"""End-to-end demo of the functional table core on synthetic data.
+"""The jaxres demo: a click-through model with a dynamic embedding table, end to end.
 
-Run ``python -m jaxres.demo``. It streams Zipf-distributed 64-bit ids (as a
-recommender's feature ids would arrive) through both storages inside a jitted
-step, assigns each new id a row with ``find_or_insert``, accumulates counts
-with ``insert_or_apply``, checks every result against a Python dict, and
-prints what it measured.
+Run ``python -m jaxres.demo``. On built-in synthetic data (Zipf-distributed
+64-bit ids, clicks from a hidden rule), it trains
+:class:`jaxres.examples.ClickModel` with Adam inside ``nnx.jit``: every new id
+gets an embedding row from a ``jr.MutableHashTable`` on the fly. It checkpoints
+with ``jr.CheckpointManager`` as it goes, prints a summary, then restarts from
+the next-to-last checkpoint into a freshly built model (deferred restore) and
+checks that the resumed losses are bitwise those of the uninterrupted run.
+Exit status 1 if they are not.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import shutil
+import sys
+import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-import jaxres as jr
-
-_ROW = jax.ShapeDtypeStruct((), jnp.int32)
+from jaxres.examples import Run, RunConfig
 
 
-def zipf_ids(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray:
-  """Zipf-distributed ids scattered over the int64 range (exact 64-bit keys)."""
-  ranks = np.minimum(rng.zipf(1.2, size=n), vocab)
-  return (ranks.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)).view(np.int64)
+class ProgressBar:
+  """A one-line progress bar on a terminal; a line per tenth of the work elsewhere."""
+
+  def __init__(self, label: str, first: int, last: int, stream=sys.stderr, width: int = 30):
+    self.label, self.first, self.last, self.stream, self.width = label, first, last, stream, width
+    self.start = time.perf_counter()
+    self.tty = stream.isatty()
+    total = last - first
+    self.every = max(1, total // 100) if self.tty else max(1, total // 10)
+
+  def update(self, step: int, loss) -> None:
+    """Shows training step ``step`` (of ``first + 1 .. last``) and its loss."""
+    done, total = step - self.first, self.last - self.first
+    if done % self.every and step != self.last:
+      return
+    rate = done / max(time.perf_counter() - self.start, 1e-9)
+    filled = self.width * done // total
+    bar = "#" * filled + "-" * (self.width - filled)
+    line = f"{self.label} [{bar}] step {step:>{len(str(self.last))}}/{self.last}"
+    line += f"  loss {float(loss):.4f}  {rate:6.1f} steps/s"
+    if self.tty:
+      line = "\r" + line + ("\n" if step == self.last else "")
+    else:
+      line += "\n"
+    self.stream.write(line)
+    self.stream.flush()
 
 
-@jax.jit
-def assign_and_count(rows: jr.Table, counts: jr.Table, ids):
-  """One step: a candidate row per new id (its batch position) and a count per id."""
-  candidates = rows.size + jnp.arange(ids.shape[0], dtype=jnp.int32)
-  rows, assigned = rows.find_or_insert(ids, candidates)
-  counts = counts.insert_or_apply(ids, jnp.ones(ids.shape[0], jnp.int32), jnp.add)
-  return rows, counts, assigned
+def binary_entropy(p: np.ndarray) -> float:
+  """Mean cross-entropy of predicting ``p`` for labels drawn with probability ``p``."""
+  p = np.clip(p.astype(np.float64), 1e-7, 1 - 1e-7)
+  return float(np.mean(-(p * np.log(p) + (1 - p) * np.log1p(-p))))
 
 
-def run(steps: int, batch: int, capacity: int, seed: int = 0) -> dict:
-  rng = np.random.default_rng(seed)
-  results = {}
-  for storage in (jr.OpenAddressingTable, jr.SortedTable):
-    rows = storage.create(capacity, key=jnp.int64, value=_ROW, default=-1)
-    counts = storage.create(capacity, key=jnp.int64, value=jnp.int32, default=0)
-    oracle_rows: dict[int, int] = {}
-    oracle_counts: dict[int, int] = {}
-    elapsed = 0.0
-    for step in range(steps):
-      ids = zipf_ids(rng, batch, vocab=4 * capacity)
-      pairs = jr.keys.split64(ids)  # 64-bit ids inside jit with x64 off
-      start = time.perf_counter()
-      rows, counts, assigned = jax.block_until_ready(assign_and_count(rows, counts, pairs))
-      if step:  # the first step includes compilation
-        elapsed += time.perf_counter() - start
-      expected, size_before = [], len(oracle_rows)
-      for position, key in enumerate(ids.tolist()):
-        if key not in oracle_rows and len(oracle_rows) < capacity:
-          oracle_rows[key] = size_before + position
-        expected.append(oracle_rows.get(key, -1))
-        oracle_counts[key] = oracle_counts.get(key, 0) + 1
-      np.testing.assert_array_equal(np.asarray(assigned), expected)
-    keys, values, valid = counts.export()
-    exported = dict(zip(keys[np.asarray(valid)].tolist(), np.asarray(values)[np.asarray(valid)].tolist()))
-    fitting = {k: v for k, v in oracle_counts.items() if k in oracle_rows}
-    assert exported == fitting, "export differs from the dict oracle"
-    top = sorted(exported.items(), key=lambda kv: -kv[1])[:3]
-    results[storage.__name__] = {
-      "ids/s": (steps - 1) * batch / max(elapsed, 1e-9),
-      "distinct": int(rows.size),
-      "dropped": int(rows.dropped),
-      "top": top,
-    }
-  return results
+def directory_size(path: str) -> int:
+  return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
-def main(argv=None) -> None:
+def train_and_checkpoint(
+  config: RunConfig, workdir: str, steps: int, every: int
+) -> tuple[np.ndarray, float, Run]:
+  run = Run(config, workdir, checkpoint_every=every)
+  bar = ProgressBar("train ", 0, steps)
+  start = time.perf_counter()
+  first = run.train(1, bar.update)  # compiles the step
+  compile_seconds = time.perf_counter() - start
+  losses = np.concatenate([first, run.train(steps - 1, bar.update)])
+  run.close()
+  return losses, compile_seconds, run
+
+
+def summarize(run: Run, losses: np.ndarray, seconds: float, compile_seconds: float) -> None:
+  steps, window = len(losses), max(1, min(100, len(losses) // 5))
+  table, embedding = run.model.embedding.ids, run.model.embedding
+  recent = [run.stream.batch(s) for s in range(steps - window, steps)]
+  best = binary_entropy(np.concatenate([b.probabilities for b in recent]))
+  constant = binary_entropy(np.array([np.concatenate([b.labels for b in recent]).mean()]))
+  steady = (steps - 1) / max(seconds - compile_seconds, 1e-9)
+  directory, oov = run.manager.directory, int(embedding.oov_lookups.get_value())
+  first, last = losses[:window].mean(), losses[-window:].mean()
+  megabytes = directory_size(directory) / 2**20
+  lines = {
+    "steps/s": f"{steady:,.1f} ({steps} steps in {seconds:.1f} s, {compile_seconds:.1f} s of it compiling)",
+    "table": f"{len(table):,} ids in {table.capacity:,} rows, load factor {len(table) / table.capacity:.2f}",
+    "shared rows": f"{oov:,} lookups of ids that came once the table was full",
+    "loss": f"first {window} steps {first:.4f} -> last {window} {last:.4f} "
+    f"(best possible {best:.4f}, constant guess {constant:.4f})",
+    "checkpoints": f"steps {run.manager.all_steps()} in {directory} ({megabytes:.1f} MiB)",
+    "table repr": repr(table),
+  }
+  print("summary")
+  for label, line in lines.items():
+    print(f"  {label:<13s}{line}")
+
+
+def resume_and_compare(config: RunConfig, workdir: str, step: int, losses: np.ndarray) -> bool:
+  restart = Run(config, workdir, checkpoint_every=None, restore_step=step)
+  print(
+    f"restart from step {step}: restored {restart.deferred} into a freshly built model"
+    " (deferred: queued by restore, filled in on attach)"
+  )
+  resumed = restart.train(len(losses) - step, ProgressBar("resume", step, len(losses)).update)
+  restart.close()
+  equal = np.array_equal(resumed.view(np.uint32), losses[step:].view(np.uint32))
+  print(f"  {len(resumed)} resumed losses bitwise equal to the uninterrupted run: {'yes' if equal else 'NO'}")
+  return equal
+
+
+def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=50, help="batches to stream (default 50)")
-  parser.add_argument("--batch", type=int, default=4096, help="ids per batch (default 4096)")
-  parser.add_argument("--capacity", type=int, default=1 << 16, help="table capacity (default 65536)")
+  parser.add_argument("--steps", type=int, default=1500, help="training steps (default 1500)")
+  parser.add_argument(
+    "--capacity", type=int, default=1 << 18, help="embedding rows ids can take (default 262144)"
+  )
+  parser.add_argument("--workdir", help="checkpoint directory, empty or absent (default: a temporary one)")
   args = parser.parse_args(argv)
-  print(f"jaxres {jr.__version__} on {jax.devices()[0].platform}: {args.steps} steps x {args.batch} Zipf ids")
-  for name, r in run(args.steps, args.batch, args.capacity).items():
-    print(
-      f"  {name:20s} {r['ids/s'] / 1e6:7.2f} M ids/s  distinct={r['distinct']:6d}  "
-      f"dropped={r['dropped']}  hottest={[count for _, count in r['top']]}"
-    )
-  print("every assigned row and every count matched a Python dict oracle")
+  if args.steps < 2:
+    parser.error("--steps: expected at least 2 (the demo restarts from a checkpoint in the middle).")
+  if args.workdir and os.path.isdir(args.workdir) and os.listdir(args.workdir):
+    parser.error(f"--workdir: {args.workdir} is not empty.")
+  workdir = args.workdir or tempfile.mkdtemp(prefix="jaxres-demo-")
+  config = RunConfig(capacity=args.capacity)
+  every = max(1, math.ceil(args.steps / 3))
+  print(
+    f"jaxres demo on {jax.devices()[0].platform}: a click-through model whose embedding rows are "
+    f"assigned to ids on the fly, trained in nnx.jit\n"
+    f"  data   {args.steps} steps x {config.batch_size} examples x {config.num_fields} ids "
+    f"(64-bit, Zipf over {config.vocab_size:,} per field)\n"
+    f"  model  {config.capacity:,} rows x {config.features} + MLP {config.hidden}, "
+    f"Adam {config.learning_rate}; checkpoint every {every} steps"
+  )
+  start = time.perf_counter()
+  try:
+    losses, compile_seconds, run = train_and_checkpoint(config, workdir, args.steps, every)
+    summarize(run, losses, time.perf_counter() - start, compile_seconds)
+    equal = resume_and_compare(config, workdir, run.manager.all_steps()[-2], losses)
+  finally:
+    if not args.workdir:
+      shutil.rmtree(workdir, ignore_errors=True)
+  print(f"done in {time.perf_counter() - start:.1f} s")
+  return 0 if equal else 1
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxres._core import batch as batch_lib
-from jaxres._core import codec, kernels
+from jaxres._core import codec, display, kernels
 from jaxres._core.values import ValueSpec
 
 _MAX_CAPACITY = 2**30
@@ -327,6 +327,18 @@ class Table(abc.ABC):
     return (
       f"{type(self).__name__}(capacity={self.capacity}, size={size}, "
       f"key={self.key_spec}, value={self.value_spec})"
+    )
+
+  def _repr_html_(self) -> str:
+    """A notebook summary: specs, size, load and the first live entries."""
+    facts = {"key": str(self.key_spec), "value": str(self.value_spec), "capacity": f"{self.capacity:,}"}
+    if codec.is_traced(self.size):
+      return display.html_table(type(self).__name__, facts, [], 0)
+    size = int(self.size)
+    facts |= {"size": f"{size:,}", "load": f"{size / self.capacity:.2f}", "dropped": f"{int(self.dropped):,}"}
+    keys, values, _ = jax.device_get(self.export())  # live entries first
+    return display.html_table(
+      type(self).__name__, facts, display.first_entries(keys, values, min(10, size)), size
     )
 
   # ------------------------------------------------- storage primitives

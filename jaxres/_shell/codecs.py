@@ -22,7 +22,25 @@ def _is_string_rows(x, width: int) -> bool:
   return isinstance(x, jax.Array) and x.dtype == jnp.uint32 and x.shape[-1:] == (width,)
 
 
-class KeyCodec:
+class _Codec:
+  """Codecs compare by configuration: NNX keys compiled functions by a module's
+  static attributes, so tables configured alike share them."""
+
+  config: tuple
+
+  def __eq__(self, other) -> bool:
+    return type(other) is type(self) and other.config == self.config
+
+  def __hash__(self) -> int:
+    return hash(self.config)
+
+
+def _fingerprint(tree) -> tuple:
+  leaves, treedef = jax.tree.flatten(tree)
+  return (str(treedef), *((np.asarray(x).dtype.str, np.shape(x), np.asarray(x).tobytes()) for x in leaves))
+
+
+class KeyCodec(_Codec):
   """Keys of a stateful table: an integer dtype, or ``str``."""
 
   def __init__(self, key_dtype, max_length: int):
@@ -35,6 +53,7 @@ class KeyCodec:
     else:
       self.spec = codec.KeySpec.parse(key_dtype).dtype
       self.name = str(self.spec)
+    self.config = (self.name, self.max_length if self.is_string else None)
 
   def encode(self, keys):
     """User keys -> core keys (strings become word rows on the host)."""
@@ -52,7 +71,7 @@ class KeyCodec:
     return np.argsort(keys, kind="stable")
 
 
-class ValueCodec:
+class ValueCodec(_Codec):
   """Values of a stateful table: a dtype (or pytree of dtypes), or ``str``.
 
   The per-entry shape is the shape of ``default_value``, as in TensorFlow; a
@@ -69,6 +88,7 @@ class ValueCodec:
       self.spec = jax.ShapeDtypeStruct((self.width,), jnp.uint32)
       self.default = strings.encode(default_value, self.max_length, name="default_value")
       self.name = "str"
+      self.config = (self.name, self.max_length, _fingerprint(self.default))
       return
     leaves, treedef = jax.tree.flatten(default_value)
     if not leaves:
@@ -91,6 +111,7 @@ class ValueCodec:
     self.name = (
       str(dtypes[0]) if len(dtypes) == 1 else str(jax.tree.unflatten(treedef, [str(d) for d in dtypes]))
     )
+    self.config = (self.name, str(self.spec), _fingerprint(default_value))
 
   def encode(self, values, name: str = "values"):
     if self.is_string and not _is_string_rows(values, self.width):

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxres._core import codec
+from jaxres._core import codec, display
 from jaxres._core.open_addressing import OpenAddressingTable
 from jaxres._core.sorted_table import SortedTable
 from jaxres._core.table import check_capacity
@@ -18,7 +17,7 @@ from jaxres._shell.resource import Resource
 
 STORAGES = {"open_addressing": OpenAddressingTable, "sorted": SortedTable}
 _REPR_ENTRIES = 3
-_REPR_ENTRY_CHARS = 100
+_HTML_ENTRIES = 10
 
 
 class LookupTable(Resource):
@@ -48,7 +47,6 @@ class LookupTable(Resource):
     self._key_codec = KeyCodec(key_dtype, max_key_length)
     self._value_codec = ValueCodec(value_dtype, default_value, max_value_length)
     self._initial_capacity = check_capacity(initial_capacity, "initial_capacity")
-    self._lock = threading.RLock()
 
   def _empty(self, capacity: int):
     values = self._value_codec
@@ -58,7 +56,7 @@ class LookupTable(Resource):
 
   def _restore_entries(self, keys, values) -> None:
     """Replaces the contents with checkpointed entries (in the core's encoding)."""
-    with self._lock:
+    with self._life().lock:
       table = self._empty(max(self.state.capacity, len(keys), 1))
       self.state = table.insert(keys, values) if len(keys) else table
 
@@ -79,7 +77,7 @@ class LookupTable(Resource):
 
   def find(self, keys, default=None):
     """Values for ``keys``; missing keys get ``default`` (the table's default if ``None``)."""
-    with self._lock:
+    with self._life().lock:
       table = self._current()
       if default is not None:
         default = self._value_codec.encode(default, name="default")
@@ -87,18 +85,18 @@ class LookupTable(Resource):
 
   def lookup(self, keys):
     """``(values, found)`` for ``keys`` from a single probe."""
-    with self._lock:
+    with self._life().lock:
       values, found = self._current().lookup(self._key_codec.encode(keys))
       return self._value_codec.decode(values), found
 
   def contains(self, keys):
     """``bool[*batch]``: whether each key is present."""
-    with self._lock:
+    with self._life().lock:
       return self._current().contains(self._key_codec.encode(keys))
 
   def export(self):
     """``(keys, values)``: the live entries, sorted by key, with exact dtypes (eager only)."""
-    with self._lock:
+    with self._life().lock:
       table = self._current()
       if codec.is_traced(table.size):
         raise TypeError("export: the stateful export runs eagerly; inside jit use table.state.export().")
@@ -124,15 +122,22 @@ class LookupTable(Resource):
   def __str__(self) -> str:
     return repr(self)
 
+  def _entries(self, count: int):
+    """``(first entries as text, size)``, or ``None`` when not created or traced."""
+    if not self.created or codec.is_traced(self.state.size):
+      return None
+    keys, values = self.export()
+    return display.first_entries(keys, values, count), len(keys)
+
   def __repr__(self) -> str:
     name = f"{type(self).__name__}(key={self._key_codec.name}, value={self._value_codec.name}"
-    if not self.created or codec.is_traced(self.state.size):
-      return name + ")"
-    keys, values = self.export()
-    shown = []
-    for i in range(min(_REPR_ENTRIES, len(keys))):
-      value = jax.tree.map(lambda v, i=i: np.asarray(v[i]).tolist(), values)
-      entry = f"{keys[i]!r}: {value!r}"
-      shown.append(entry if len(entry) <= _REPR_ENTRY_CHARS else entry[:_REPR_ENTRY_CHARS] + " ...")
-    more = ", ..." if len(keys) > _REPR_ENTRIES else ""
-    return f"{name}, size={len(keys)}, {{{', '.join(shown)}{more}}})"
+    shown = self._entries(_REPR_ENTRIES)
+    return name + ")" if shown is None else display.text(name, *shown)
+
+  def _repr_html_(self) -> str:
+    """A notebook summary: dtypes, size, capacity and the first entries in key order."""
+    facts = {"key": self._key_codec.name, "value": self._value_codec.name}
+    shown = self._entries(_HTML_ENTRIES)
+    if shown is not None:
+      facts |= {"size": f"{shown[1]:,}", "capacity": f"{self.capacity:,}", "storage": self._storage.__name__}
+    return display.html_table(type(self).__name__, facts, *(shown or ([], 0)))

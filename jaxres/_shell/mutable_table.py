@@ -71,14 +71,18 @@ class MutableHashTable(LookupTable):
   def _create_resource(self):
     return self._empty(self._initial_capacity)
 
-  def _insert_growing(self, table, keys, values):
-    """Eager insert that grows the table instead of dropping keys."""
-    grown = table.insert(keys, values)
-    while not codec.is_traced(grown.dropped) and int(grown.dropped) > int(table.dropped):
-      lost = int(grown.dropped) - int(table.dropped)
+  @staticmethod
+  def _growing(table, update):
+    """``update(table) -> (table, out)``, eagerly growing instead of dropping keys."""
+    new, out = update(table)
+    while not codec.is_traced(new.dropped) and int(new.dropped) > int(table.dropped):
+      lost = int(new.dropped) - int(table.dropped)
       table = table.resize(max(2 * table.capacity, table.capacity + 2 * lost))
-      grown = table.insert(keys, values)
-    return grown
+      new, out = update(table)
+    return new, out
+
+  def _insert_growing(self, table, keys, values):
+    return self._growing(table, lambda t: (t.insert(keys, values), None))[0]
 
   def insert(self, keys, values) -> None:
     """Inserts or assigns ``values`` for ``keys`` (the last duplicate wins).
@@ -86,19 +90,40 @@ class MutableHashTable(LookupTable):
     Raises:
       TypeError, ValueError: bad keys or values (the table is unchanged).
     """
-    with self._lock:
+    with self._life().lock:
       table = self._current()
       keys, values = self._key_codec.encode(keys), self._value_codec.encode(values)
       self.state = self._insert_growing(table, keys, values)
 
+  def find_or_insert(self, keys, values):
+    """Values of ``keys``; keys not yet present are inserted with ``values`` first.
+
+    The first occurrence of a new key inserts it and later duplicates see that
+    value (``jr.Table.find_or_insert``): the way to assign embedding rows to
+    ids as they arrive. Eager calls grow the table; inside ``jit`` a new key
+    that does not fit gets the default and is counted as lost (see the class
+    doc).
+
+    Example:
+      >>> import numpy as np, jaxres as jr
+      >>> rows = jr.MutableHashTable(np.int64, np.int32, default_value=-1)
+      >>> rows.find_or_insert(np.array([7, 9, 7]), np.array([0, 1, 2], np.int32)).tolist()
+      [0, 1, 0]
+    """
+    with self._life().lock:
+      table = self._current()
+      keys, values = self._key_codec.encode(keys), self._value_codec.encode(values)
+      self.state, found = self._growing(table, lambda t: t.find_or_insert(keys, values))
+      return self._value_codec.decode(found)
+
   def remove(self, keys) -> None:
     """Removes ``keys``; absent keys are ignored."""
-    with self._lock:
+    with self._life().lock:
       self.state = self._current().remove(self._key_codec.encode(keys))
 
   def import_(self, keys, values) -> None:
     """Replaces the contents with the given entries (growing as needed)."""
-    with self._lock:
+    with self._life().lock:
       table = self._current()
       keys, values = self._key_codec.encode(keys), self._value_codec.encode(values)
       self.state = self._insert_growing(table._cleared(), keys, values)
@@ -106,7 +131,7 @@ class MutableHashTable(LookupTable):
   def reserve(self, capacity: int) -> None:
     """Grows the table to hold ``capacity`` entries (e.g. before jitting)."""
     capacity = check_capacity(capacity)
-    with self._lock:
+    with self._life().lock:
       table = self._current()
       if capacity > table.capacity:
         self.state = table.resize(capacity)

@@ -16,10 +16,14 @@ class ResourceState(nnx.Variable):
 
 
 class _Lifecycle:
-  """Creation and destruction flags, shared by a resource and NNX's copies of it.
+  """Creation and destruction flags and the lock, shared by a resource and NNX's copies of it.
 
   ``nnx.jit`` works on copies of the modules it is given; only the object that
   created the state (``owner``) may destroy it when it is garbage collected.
+
+  NNX keys its compiled functions by the module structure, which includes
+  this static attribute; all lifecycles compare equal, so two resources of the
+  same configuration share compiled functions instead of retracing.
   """
 
   def __init__(self):
@@ -27,6 +31,12 @@ class _Lifecycle:
     self.created = False
     self.destroyed = False
     self.owner: int | None = None
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, _Lifecycle)
+
+  def __hash__(self) -> int:
+    return hash(_Lifecycle)
 
 
 class Resource(Trackable, nnx.Module):

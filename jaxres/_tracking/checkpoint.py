@@ -147,7 +147,8 @@ class Checkpoint(AutoTrackable):
   Children are given by keyword (``Checkpoint(model=root)``) and found by
   attribute; ``Checkpoint(root=obj)`` makes ``obj`` itself the root of the
   graph (keyword children are then set on it), as in TensorFlow. Objects are
-  tables and other resources, ``jr.AutoTrackable`` s, ``nnx.Module`` s, and
+  tables and other resources, ``jr.AutoTrackable`` s, NNX objects (``nnx.Module``,
+  ``nnx.Optimizer``), and
   arrays or pytrees of arrays. Tables store their live
   entries only, so checkpoints grow with the number of entries, not with the
   capacity.

@@ -33,7 +33,7 @@ def kind_of(obj: Any) -> str:
     return "table"
   if isinstance(obj, Resource):
     return "resource"
-  if isinstance(obj, nnx.Module):
+  if isinstance(obj, nnx.Pytree):  # nnx.Module, nnx.Optimizer, ...
     return "module"
   if isinstance(obj, Trackable):
     return "trackable"

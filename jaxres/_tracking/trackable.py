@@ -19,7 +19,7 @@ def _is_trackable_value(value: Any) -> bool:
     return True
   from flax import nnx
 
-  if isinstance(value, nnx.Module):
+  if isinstance(value, nnx.Pytree):  # nnx.Module, nnx.Optimizer, ...
     return True
   leaves = jax.tree.leaves(value)
   return bool(leaves) and all(isinstance(x, jax.Array) for x in leaves)
@@ -44,7 +44,8 @@ class Trackable:
 class AutoTrackable(Trackable):
   """A :class:`Trackable` whose attributes become its children when assigned.
 
-  Attributes whose values are trackables, ``nnx.Module`` s, arrays or pytrees
+  Attributes whose values are trackables, NNX objects (``nnx.Module`` s,
+  ``nnx.Optimizer`` s), arrays or pytrees
   of arrays are tracked; names starting with ``_`` and other values are not.
   """
 
