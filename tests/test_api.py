@@ -39,8 +39,14 @@ def test_ruff_clean():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_demo_runs_and_checks_itself(capsys):
-  demo.main(["--steps", "3", "--batch", "256", "--capacity", "512"])
+def test_demo_trains_checkpoints_and_resumes_bitwise(tmp_path, capsys):
+  workdir = tmp_path / "run"
+  assert demo.main(["--steps", "6", "--capacity", "256", "--workdir", str(workdir)]) == 0
   out = capsys.readouterr().out
-  assert "matched a Python dict oracle" in out
-  assert "OpenAddressingTable" in out and "SortedTable" in out
+  assert "load factor 1.00" in out  # 256 rows fill within the first step
+  assert "restart from step 4: restored ['model', 'optimizer']" in out
+  assert "2 resumed losses bitwise equal to the uninterrupted run: yes" in out
+  assert sorted(p.name for p in workdir.iterdir()) == ["2", "4", "6"]
+  with pytest.raises(SystemExit):  # the demo never resumes someone else's run
+    demo.main(["--workdir", str(workdir)])
+  assert "--workdir" in capsys.readouterr().err

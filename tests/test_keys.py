@@ -97,6 +97,8 @@ def test_x64_suite():
     "test_table.py::test_random_operations_match_dict",
     "test_mutable_table.py::test_seed_dtype_combinations",
     "test_static_tables.py::test_vocabulary_with_integer_keys_inside_jit",
+    "test_examples.py::test_rows_follow_first_occurrence_and_full_table_policy",
+    "test_examples.py::test_restart_with_deferred_restore_continues_bitwise",
   ]
   cmd = [
     sys.executable,

@@ -147,6 +147,48 @@ def test_repr_shows_a_few_entries_and_truncates():
   assert " ..." in text and text.endswith(", ...})") and "'d'" not in text
 
 
+def test_html_repr_lists_entries_in_key_order_escaped():
+  table = jr.MutableHashTable(str, np.int32, default_value=0)
+  empty = jr.MutableHashTable(np.int32, np.int32, 0, initial_capacity=2)._repr_html_()
+  assert "size <code>0</code>" in empty and "<table>" not in empty
+  table.insert([f"k{i:02d}" for i in range(12)] + ["<b>"], np.arange(13, dtype=np.int32))
+  html = table._repr_html_()
+  assert html.count("<tr>") == 1 + 10 + 1  # header, ten entries, "... 3 more"
+  assert "&lt;b&gt;" in html and "<b>" not in html.replace("<b>MutableHashTable</b>", "")
+  assert html.index("k00") < html.index("k01") and "3 more" in html and "size <code>13</code>" in html
+  core = table.state
+  core_html = core._repr_html_()
+  assert "load <code>0.01</code>" in core_html and core_html.count("<tr>") == 1 + 10 + 1
+
+
+def test_find_or_insert_returns_existing_values_and_inserts_new_ones():
+  table = jr.MutableHashTable(np.int64, np.int32, default_value=-1, initial_capacity=2)
+  oracle = {}
+  rng = np.random.default_rng(3)
+  for _ in range(5):
+    keys = rng.integers(-6, 6, size=7) * 2**35
+    values = rng.integers(0, 100, size=7).astype(np.int32)
+    expected = [oracle.setdefault(k, v) for k, v in zip(keys.tolist(), values.tolist())]
+    assert table.find_or_insert(keys, values).tolist() == expected  # grows as needed
+  keys, values = table.export()
+  assert dict(zip(keys.tolist(), values.tolist())) == oracle
+  with pytest.raises(TypeError, match="keys"):
+    table.find_or_insert(jnp.array([1], jnp.int32), np.array([1], np.int32))
+
+
+def test_find_or_insert_inside_jit_counts_what_does_not_fit():
+  model = Counter(4)
+
+  @nnx.jit
+  def step(model, keys):
+    return model.table.find_or_insert(keys, keys * 10)
+
+  rows = step(model, jnp.array([1, 2, 1, 3, 4, 5, 6], jnp.int32))
+  assert rows.tolist() == [10, 20, 10, 30, 40, 0, 0]  # 5 and 6 do not fit: the default
+  with pytest.raises(ValueError, match="2 key\\(s\\) were lost"):
+    len(model.table)
+
+
 def test_bad_input_is_rejected_and_changes_nothing():
   table = jr.MutableHashTable(str, np.int32, default_value=0, max_key_length=8)
   table.insert(["ok"], np.array([1], np.int32))

@@ -16,27 +16,21 @@ class ResourceState(nnx.Variable):
 
 
 class _Lifecycle:
-  """Creation and destruction flags and the lock, shared by a resource and NNX's copies of it.
+  """Creation and destruction flags and the lock of one resource object."""
 
-  ``nnx.jit`` works on copies of the modules it is given; only the object that
-  created the state (``owner``) may destroy it when it is garbage collected.
-
-  NNX keys its compiled functions by the module structure, which includes
-  this static attribute; all lifecycles compare equal, so two resources of the
-  same configuration share compiled functions instead of retracing.
-  """
-
-  def __init__(self):
+  def __init__(self, created: bool = False):
     self.lock = threading.RLock()
-    self.created = False
+    self.created = created
     self.destroyed = False
     self.owner: int | None = None
 
-  def __eq__(self, other) -> bool:
-    return isinstance(other, _Lifecycle)
 
-  def __hash__(self) -> int:
-    return hash(_Lifecycle)
+# id(resource) -> its lifecycle. Kept out of the object's attributes: NNX keys
+# compiled functions by a module's attributes and, on a cache hit, copies the
+# cached module's static attributes onto the one passed in, so an attribute
+# with an identity would be swapped between resources. Entries go in
+# ``__del__``.
+_LIFECYCLES: dict[int, _Lifecycle] = {}
 
 
 class Resource(Trackable, nnx.Module):
@@ -73,12 +67,16 @@ class Resource(Trackable, nnx.Module):
     if device is not None and not isinstance(device, (jax.Device, jax.sharding.Sharding)):
       raise TypeError(f"device: expected a jax.Device or jax.sharding.Sharding, got {device!r}.")
     self._device = device
-    self._lifecycle = _Lifecycle()
+    _LIFECYCLES[id(self)] = _Lifecycle()
 
   def _life(self) -> _Lifecycle:
-    if "_lifecycle" not in vars(self):
-      raise TypeError(f"{type(self).__name__}.__init__ must call super().__init__() (jr.Resource).")
-    return self._lifecycle
+    life = _LIFECYCLES.get(id(self))
+    if life is None:
+      if "_device" not in vars(self):
+        raise TypeError(f"{type(self).__name__}.__init__ must call super().__init__() (jr.Resource).")
+      # A copy made by an NNX transform: it shares the state, never owns it.
+      life = _LIFECYCLES.setdefault(id(self), _Lifecycle(created="_cell" in vars(self)))
+    return life
 
   @property
   def device(self):
@@ -133,9 +131,14 @@ class Resource(Trackable, nnx.Module):
         vars(self).pop("_cell", None)
 
   def __del__(self):
-    life = vars(self).get("_lifecycle")
-    if life is not None and life.owner == id(self) and not life.destroyed:
-      self.destroy()
+    if _LIFECYCLES is None:  # interpreter shutdown: module globals are gone
+      return
+    life = _LIFECYCLES.get(id(self))
+    try:
+      if life is not None and life.owner == id(self) and not life.destroyed:
+        self.destroy()
+    finally:
+      _LIFECYCLES.pop(id(self), None)
 
   def _place(self, state):
     return state if self._device is None else jax.device_put(state, self._device)

@@ -99,7 +99,7 @@ class DynamicEmbedding(nnx.Module):
     self.ids.state = dataclasses.replace(table, dropped=before.dropped)
     oov = first < 0
     self.oov_lookups.set_value(self.oov_lookups.get_value() + jnp.sum(oov, dtype=jnp.int32))
-    bucket = hash_words(words.reshape(oov.shape[0], -1)) % np.uint32(self.num_oov_rows)
+    bucket = hash_words(words.reshape(-1, before.key_spec.num_words)) % np.uint32(self.num_oov_rows)
     return jnp.where(oov, self.num_rows + bucket.astype(jnp.int32), rows).reshape(batch_shape)
 
   def __call__(self, ids) -> jax.Array:
