@@ -1,5 +1,6 @@
 """jr.MutableHashTable against a dict oracle, the seed's scenarios, threads and NNX."""
 
+import gc
 import threading
 
 import jax
@@ -227,6 +228,28 @@ def test_nnx_jit_updates_persist_without_retracing():
   assert len(traces) == 1
   keys, values = model.table.export()
   assert dict(zip(keys.tolist(), values.tolist())) == {1: 1, 2: 2, 3: 3, 4: 2, 5: 1}
+
+
+def test_jit_cache_hits_leave_each_table_its_own_lifecycle():
+  """NNX copies cached static attributes onto later arguments; lifecycles must not travel."""
+  models = [Counter(8), Counter(8)]
+  traces = []
+
+  @nnx.jit
+  def step(model, keys):
+    traces.append(1)
+    model.table.insert(keys, keys)
+
+  for i, model in enumerate(models):
+    step(model, jnp.arange(3, dtype=jnp.int32) + i)
+  assert len(traces) == 1  # alike tables share the compiled step
+  survivor = models.pop()
+  del models  # the first table is garbage collected and destroyed
+  gc.collect()
+  assert survivor.table.export()[0].tolist() == [1, 2, 3]
+  survivor.table.destroy()
+  with pytest.raises(ValueError, match="destroyed"):
+    survivor.table.size()
 
 
 def test_overflow_inside_jit_is_reported_on_next_eager_use():
