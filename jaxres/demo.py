@@ -73,6 +73,8 @@ def train_and_checkpoint(
   first = run.train(1, bar.update)  # compiles the step
   compile_seconds = time.perf_counter() - start
   losses = np.concatenate([first, run.train(steps - 1, bar.update)])
+  if run.step not in run.manager.all_steps():
+    run.manager.save(run.step)  # the final state too
   run.close()
   return losses, compile_seconds, run
 
