@@ -260,6 +260,7 @@ def test_overflow_inside_jit_is_reported_on_next_eager_use():
     model.table.insert(keys, keys)
 
   step(model, jnp.arange(10, dtype=jnp.int32))  # 4 fit, 6 cannot: no growth inside jit
+  assert "size=4" in repr(model.table) and "lost inside jit <code>6</code>" in model.table._repr_html_()
   with pytest.raises(ValueError, match="6 key\\(s\\) were lost"):
     model.table.find(jnp.array([0], jnp.int32))
   assert len(model.table) == 4  # reported once; the table is usable again

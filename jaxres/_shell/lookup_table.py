@@ -100,12 +100,15 @@ class LookupTable(Resource):
       table = self._current()
       if codec.is_traced(table.size):
         raise TypeError("export: the stateful export runs eagerly; inside jit use table.state.export().")
-      keys, values, valid = table.export()
-      live = np.asarray(valid)
-      keys = self._key_codec.decode(np.asarray(keys)[live])
-      order = self._key_codec.order(keys)
-      values = jax.tree.map(lambda v: v[live][order], values)
-      return keys[order], self._value_codec.decode(values)
+      return self._sorted_entries(table)
+
+  def _sorted_entries(self, table):
+    keys, values, valid = table.export()
+    live = np.asarray(valid)
+    keys = self._key_codec.decode(np.asarray(keys)[live])
+    order = self._key_codec.order(keys)
+    values = jax.tree.map(lambda v: v[live][order], values)
+    return keys[order], self._value_codec.decode(values)
 
   @property
   def capacity(self) -> int:
@@ -123,10 +126,14 @@ class LookupTable(Resource):
     return repr(self)
 
   def _entries(self, count: int):
-    """``(first entries as text, size)``, or ``None`` when not created or traced."""
+    """``(first entries as text, size)``, or ``None`` when not created or traced.
+
+    A repr does not consume the report of keys lost inside jit (see ``_current``).
+    """
     if not self.created or codec.is_traced(self.state.size):
       return None
-    keys, values = self.export()
+    with self._life().lock:
+      keys, values = self._sorted_entries(self.state)
     return display.first_entries(keys, values, count), len(keys)
 
   def __repr__(self) -> str:
@@ -140,4 +147,7 @@ class LookupTable(Resource):
     shown = self._entries(_HTML_ENTRIES)
     if shown is not None:
       facts |= {"size": f"{shown[1]:,}", "capacity": f"{self.capacity:,}", "storage": self._storage.__name__}
+      lost = int(self.state.dropped)
+      if lost:
+        facts["lost inside jit"] = f"{lost:,}"
     return display.html_table(type(self).__name__, facts, *(shown or ([], 0)))
