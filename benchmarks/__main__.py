@@ -1,5 +1,5 @@
-"""``python -m benchmarks``: the core table benchmark (see benchmarks/core.py)."""
+"""``python -m benchmarks``: see benchmarks/run.py."""
 
-from benchmarks import core
+from benchmarks import run
 
-core.main()
+run.main()

@@ -138,25 +138,36 @@ class OpenAddressingTable(Table):
     n = words.shape[0]
     bucket = self._home(words)
     hit, slot, more = self._probe(words, bucket)
-    chunk = claims.chunk_size(n)
+    chunk = max(64, min(n, n // 32))  # keys probing past their home bucket are rare
 
-    def body(state):
-      bucket, steps, hit, slot, more = state
-      # Only the few keys still probing go round again, `chunk` at a time.
+    def probe_further(state):
+      # Compact up to `chunk` of the keys still probing, follow their chains
+      # on chunk-sized arrays only, then write the answers back once.
+      hit, slot, more = state
       rows, target = claims.pending_rows(more, chunk)
-      next_bucket = (bucket[rows] + 1) % self.num_buckets
-      hit2, slot2, more2 = self._probe(words[rows], next_bucket)
-      more2 = more2 & (steps[rows] + 1 < self.num_buckets)
+
+      def step(inner):
+        at, steps, hit_c, slot_c, more_c = inner
+        at = jnp.where(more_c, (at + 1) % self.num_buckets, at)
+        hit2, slot2, more2 = self._probe(words[rows], at)
+        steps = steps + more_c
+        return (
+          at,
+          steps,
+          jnp.where(more_c, hit2, hit_c),
+          jnp.where(more_c & hit2, slot2, slot_c),
+          more_c & more2 & (steps < self.num_buckets),
+        )
+
+      inner = (bucket[rows], jnp.zeros(chunk, jnp.int32), hit[rows], slot[rows], target < n)
+      _, _, hit_c, slot_c, _ = lax.while_loop(lambda s: jnp.any(s[-1]), step, inner)
       return (
-        bucket.at[target].set(next_bucket, mode="drop"),
-        steps.at[target].add(1, mode="drop"),
-        hit.at[target].set(hit2, mode="drop"),
-        slot.at[target].set(jnp.where(hit2, slot2, slot[rows]), mode="drop"),
-        more.at[target].set(more2, mode="drop"),
+        hit.at[target].set(hit_c, mode="drop"),
+        slot.at[target].set(slot_c, mode="drop"),
+        more.at[target].set(False, mode="drop"),
       )
 
-    state = (bucket, jnp.zeros(n, jnp.int32), hit, slot, more)
-    _, _, hit, slot, _ = lax.while_loop(lambda s: jnp.any(s[-1]), body, state)
+    hit, slot, _ = lax.while_loop(lambda s: jnp.any(s[-1]), probe_further, (hit, slot, more))
     return hit, slot
 
   # ---------------------------------------------------------- mutations

@@ -1,0 +1,193 @@
+"""``python -m benchmarks``: jaxres against tf.lookup and a dict, side by side.
+
+Runs every workload of :mod:`benchmarks.workloads` on every peer of
+:mod:`benchmarks.peers` in this process, on the same data, with
+``jax_enable_x64`` on (int64 keys as JAX sees them natively). Prints a
+markdown report (throughputs, ratios to TF ``MutableHashTable`` against the
+targets, per-call cost against capacity), saves it with the machine's
+description under ``benchmarks/results/`` and plots throughput against
+capacity. Needs the ``bench`` extra (``pip install -e '.[bench]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+from pathlib import Path
+
+import jax
+
+jax.config.update("jax_enable_x64", True)
+
+from benchmarks import peers, workloads  # noqa: E402  (after the x64 switch)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+REFERENCE = "TF MutableHashTable"
+MAIN_PEERS = ["jaxres-oa", "jaxres-sorted", "tf-mutable", "tf-dense", "tf-static", "dict"]
+WIDE_PEERS = ["jaxres-oa", "jaxres-sorted", "tf-mutable", "tf-dense"]
+SWEEP_PEERS = ["jaxres-oa", "tf-mutable", "tf-dense"]
+# (label, peer, metric, goal as a ratio to the reference; "step_us" and bytes: lower is better)
+TARGETS = [
+  ("find", "jaxres OpenAddressingTable", "find", 1.5),
+  ("insert", "jaxres OpenAddressingTable", "insert", 1.0),
+  ("remove", "jaxres OpenAddressingTable", "remove", 1.0),
+  ("4096-key step", "jaxres OpenAddressingTable", "step_us", 1.0),
+  ("64-wide find", "jaxres OpenAddressingTable", "find@64", 10.0),
+  ("bytes per entry", "jaxres OpenAddressingTable", "bytes/entry", 1.0),
+  ("SortedTable find", "jaxres SortedTable", "find", 1.0),
+]
+LOWER_IS_BETTER = {"step_us", "bytes/entry"}
+
+
+def machine() -> str:
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+  except (OSError, StopIteration):
+    pass
+  import tensorflow as tf
+
+  return (
+    f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, JAX {jax.__version__} "
+    f"({jax.devices()[0].platform}, x64 on), TensorFlow {tf.__version__}"
+  )
+
+
+def _table(rows: list[list[str]]) -> str:
+  lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+  return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows[1:]])
+
+
+def _fmt(metric: str, value) -> str:
+  if value is None:
+    return "n/a"
+  if metric in ("step_us", "bytes/entry"):
+    return f"{value:,.1f}"
+  return f"{value / 1e6:,.2f}"
+
+
+def report(results: dict, wide: dict, sweep: dict, n: int, title: str) -> str:
+  columns = [("insert", "insert M/s"), ("find", "find M/s"), ("remove", "remove M/s")]
+  columns += [("step_us", "4096-key step µs"), ("bytes/entry", "bytes/entry")]
+  main = [["table", *(label for _, label in columns)]]
+  main += [[name, *(_fmt(m, r.get(m)) for m, _ in columns)] for name, r in results.items()]
+  wide_rows = [["table", "insert M/s", "find M/s", "bytes/entry"]]
+  wide_rows += [
+    [name, *(_fmt(m, r.get(m)) for m in ("insert", "find", "bytes/entry"))] for name, r in wide.items()
+  ]
+
+  reference = {**results[REFERENCE], **{f"{k}@64": v for k, v in wide[REFERENCE].items()}}
+  target_rows = [["target", "jaxres", "TF MutableHashTable", "ratio", "goal", "met"]]
+  for label, name, metric, goal in TARGETS:
+    ours = {**results[name], **{f"{k}@64": v for k, v in wide.get(name, {}).items()}}[metric]
+    theirs = reference[metric]
+    ratio = theirs / ours if metric in LOWER_IS_BETTER else ours / theirs
+    plain = metric.split("@")[0]
+    target_rows.append(
+      [
+        label,
+        _fmt(plain, ours),
+        _fmt(plain, theirs),
+        f"{ratio:.2f}x",
+        f">= {goal:g}x",
+        "yes" if ratio >= goal else "**no**",
+      ]
+    )
+
+  names = list(next(iter(sweep.values())))
+  sweep_rows = [["capacity", *(f"{name} {what} µs" for name in names for what in ("find", "step"))]]
+  for capacity, by_peer in sweep.items():
+    sweep_rows.append(
+      [
+        f"2^{capacity.bit_length() - 1}",
+        *(_fmt("step_us", by_peer[p].get(w)) for p in names for w in ("find_us", "step_us")),
+      ]
+    )
+  return "\n\n".join(
+    [
+      f"# {title}",
+      f"Machine: {machine()}.",
+      f"## {n:,} int64 keys → float32, batches of {workloads.BATCH:,}",
+      "Throughputs in million keys per second (best of 3); the step inserts then finds 4096 keys "
+      f"(half known, half new) on a table holding {n:,} keys. Bytes per entry: jaxres counts its "
+      "arrays (capacity includes room for the step's new keys); TF and dict count the growth of "
+      "the process's resident memory.",
+      _table(main),
+      f"## {n:,} int64 keys → float32[64]",
+      _table(wide_rows),
+      "## Targets: ratios to TF MutableHashTable in this run",
+      _table(target_rows),
+      "## Per-call cost against capacity (4096-key batch, table half full)",
+      _table(sweep_rows),
+    ]
+  )
+
+
+def plot(sweep: dict, path: Path) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+  capacities = list(sweep)
+  for ax, what in zip(axes, ("find_us", "step_us")):
+    for name in next(iter(sweep.values())):
+      ys = [workloads.STEP_BATCH / sweep[c][name][what] for c in capacities if what in sweep[c][name]]
+      if ys:
+        ax.plot(capacities[: len(ys)], ys, marker="o", label=name)
+    ax.set(xscale="log", xlabel="capacity", title={"find_us": "find", "step_us": "insert + find step"}[what])
+    ax.set_xscale("log", base=2)
+    ax.grid(True, alpha=0.3)
+  axes[0].set_ylabel("M keys/s (4096-key batches)")
+  axes[0].legend()
+  fig.suptitle("Per-call throughput against capacity (flat = O(batch) per call)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--keys", type=int, default=1 << 20, help="entries (default 1M)")
+  parser.add_argument(
+    "--max-capacity-log2", type=int, default=24, help="largest capacity of the sweep (2^24)"
+  )
+  parser.add_argument("--out", type=Path, default=RESULTS, help="where the report and plot go")
+  args = parser.parse_args(argv)
+
+  results = {}
+  for name in MAIN_PEERS:
+    peer = peers.make(name, width=1)
+    results[peer.name] = workloads.measure(peer, workloads.Data(args.keys, 1))
+    if results[peer.name]["bytes/entry"] is None:
+      results[peer.name]["bytes/entry"] = workloads.resident_bytes_per_entry(name, args.keys, 1)
+    print(f"measured {peer.name}: {results[peer.name]}", flush=True)
+  wide_data = workloads.Data(args.keys, 64)
+  wide = {}
+  for name in WIDE_PEERS:
+    peer = peers.make(name, width=64)
+    wide[peer.name] = workloads.measure(peer, wide_data)
+    if wide[peer.name]["bytes/entry"] is None:
+      wide[peer.name]["bytes/entry"] = workloads.resident_bytes_per_entry(name, args.keys, 64)
+    print(f"measured {peer.name} (64-wide): {wide[peer.name]}", flush=True)
+  del wide_data
+  sweep = {}
+  for log2 in range(16, args.max_capacity_log2 + 1, 2):
+    capacity = 1 << log2
+    sweep[capacity] = {}
+    for name in SWEEP_PEERS:
+      peer = peers.make(name, width=1)
+      sweep[capacity][peer.name] = workloads.per_call(peer, capacity)
+    print(f"capacity 2^{log2}: {sweep[capacity]}", flush=True)
+
+  today = datetime.date.today().isoformat()
+  text = report(results, wide, sweep, args.keys, f"jaxres benchmarks, {today}")
+  args.out.mkdir(parents=True, exist_ok=True)
+  for name in ("latest.md", f"{today}-{platform.node() or 'machine'}.md"):
+    (args.out / name).write_text(text + "\n")
+  plot(sweep, args.out / "capacity.png")
+  print(text)
+  print(f"\nsaved {args.out / 'latest.md'} and {args.out / 'capacity.png'}")
