@@ -226,3 +226,28 @@ def test_float_accumulation_is_the_sequential_fold(storage):
   for v in values[1:]:
     expected = np.float32(expected + v)
   assert np.float32(t.find(np.int32(0))) == expected
+
+
+@pytest.mark.parametrize("bucket_size", [1, 2])
+def test_long_probe_chains_match_dict(bucket_size):
+  """Small buckets make most keys overflow their home bucket: every chain must be followed."""
+  rng = np.random.default_rng(bucket_size)
+  table = jr.OpenAddressingTable.create(
+    48, key=jnp.int32, value=jnp.int32, default=-1, bucket_size=bucket_size
+  )
+  oracle = {}
+  for _ in range(30):
+    keys = rng.integers(0, 96, size=16).astype(np.int32)
+    if rng.random() < 0.7:
+      values = rng.integers(0, 1000, size=16).astype(np.int32)
+      table = table.insert(keys, values)
+      for k, v in zip(keys.tolist(), values.tolist()):
+        if k in oracle or len(oracle) < 48:
+          oracle[k] = v
+    else:
+      table = table.remove(keys)
+      for k in keys.tolist():
+        oracle.pop(k, None)
+    probe = np.arange(96, dtype=np.int32)
+    assert table.find(probe).tolist() == [oracle.get(k, -1) for k in probe.tolist()]
+    assert int(table.size) == len(oracle)
