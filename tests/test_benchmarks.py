@@ -1,0 +1,39 @@
+"""The benchmark harness runs (without TensorFlow, on tiny sizes), so it cannot rot."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = """
+from benchmarks import peers, run, workloads
+
+data = workloads.Data(4096, 1)
+results = {}
+for name in ("jaxres-oa", "jaxres-sorted", "dict"):
+  peer = peers.make(name, 1)
+  results[peer.name] = workloads.measure(peer, data, repeats=1)
+  for metric in ("insert", "find", "remove", "step_us"):
+    assert results[peer.name][metric] > 0, (name, metric, results[peer.name])
+  # half of the keys removed, the step's new ids added
+  assert peer.size() == 4096 // 2 + workloads.STEPS * workloads.STEP_BATCH // 2
+OA = "jaxres OpenAddressingTable"
+wide = {OA: workloads.measure(peers.make("jaxres-oa", 64), workloads.Data(4096, 64), 1)}
+sweep = {1 << 12: {OA: workloads.per_call(peers.make("jaxres-oa", 1), 1 << 12, calls=3)}}
+results["TF MutableHashTable"] = results["Python dict"] | {"bytes/entry": 48.0}
+wide["TF MutableHashTable"] = wide[OA]
+results["jaxres SortedTable"]["bytes/entry"] = 1.0
+text = run.report(results, wide, sweep, 4096, "smoke")
+assert "| find | " in text and "2^12" in text, text
+print("ok")
+"""
+
+
+def test_benchmark_harness_runs_on_tiny_sizes():
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  result = subprocess.run(
+    [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+  )
+  assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr
