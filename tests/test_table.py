@@ -251,3 +251,39 @@ def test_long_probe_chains_match_dict(bucket_size):
     probe = np.arange(96, dtype=np.int32)
     assert table.find(probe).tolist() == [oracle.get(k, -1) for k in probe.tolist()]
     assert int(table.size) == len(oracle)
+
+
+def _masked(keys, values, valid):
+  keep = np.asarray(valid)
+  return np.asarray(keys)[keep], jax.tree.map(lambda v: np.asarray(v)[keep], values)
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("kind", KINDS[:3] + KINDS[-1:], ids=KIND_IDS[:3] + KIND_IDS[-1:])
+def test_valid_masks_skip_rows_like_padding(storage, kind):
+  """Rows marked invalid behave as if absent from the batch; masked find_or_insert rows get the default."""
+  rng = np.random.default_rng(7)
+  capacity = 10
+  table, model = kind.create(storage, capacity), DictTable(kind, capacity)
+  for step in range(24):
+    op = ["insert", "find_or_insert", "apply", "remove"][step % 4]
+    keys, values = kind.keys(rng, BATCH, pool=14), kind.values(rng, BATCH)
+    valid = jnp.asarray(rng.random(BATCH) < 0.6)
+    kept_keys, kept_values = _masked(keys, values, valid)
+    if op == "insert":
+      table = table.insert(keys, values, valid=valid)
+      model.insert(kept_keys, kept_values)
+    elif op == "find_or_insert":
+      table, got = table.find_or_insert(keys, values, valid=valid)
+      expected = iter(model.find_or_insert(kept_keys, kept_values))
+      want = [next(expected) if ok else model.default for ok in np.asarray(valid).tolist()]
+      assert_rows_equal(table_rows(got, BATCH), want)
+    elif op == "apply":
+      table = table.insert_or_apply(keys, values, _twice_plus, valid=valid)
+      model.insert_or_apply(kept_keys, kept_values, _twice_plus_rows)
+    else:
+      table = table.remove(keys, valid=valid)
+      model.remove(kept_keys)
+    assert_matches(table, model), f"diverged after step {step} ({op})"
+  with pytest.raises(ValueError, match="valid"):
+    table.insert(keys, values, valid=jnp.ones(BATCH + 1, bool))

@@ -53,13 +53,14 @@ def compact(table: Table):
 
 
 @jax.jit
-def remove(table: Table, words):
-  return table._remove_rows(words)
+def remove(table: Table, words, active):
+  return table._remove_rows(words, active)
 
 
-def release_present(table: Table, words) -> Table:
-  """Removal: the first row of each present key releases its entry."""
+def release_present(table: Table, words, active=None) -> Table:
+  """Removal: the first (active) row of each present key releases its entry."""
   found, slot = table._locate(words)
+  found = found if active is None else found & active
   first = claims.first_per_slot(slot, found)
   table = table._release(words, slot, first)
   return dataclasses.replace(table, size=table.size - jnp.sum(first, dtype=jnp.int32))
@@ -72,7 +73,7 @@ def upsert(table: Table, words, leaves, active, *, mode: str):
 
 
 @functools.partial(jax.jit, static_argnames=("fn",))
-def apply(table: Table, words, leaves, *, fn):
+def apply(table: Table, words, leaves, active, *, fn):
   """insert_or_apply: the first occurrence of a new key inserts, every other row folds in.
 
   Each round applies ``fn`` to the earliest pending row of every slot, so the
@@ -80,8 +81,9 @@ def apply(table: Table, words, leaves, *, fn):
   times one key occurs in the batch.
   """
   before, _ = table._locate(words)
-  table, _ = table._upsert_rows(words, leaves, None, "first")
+  table, _ = table._upsert_rows(words, leaves, active, "first")
   present, slot = table._locate(words)
+  present = present if active is None else present & active
   inserted = claims.first_per_slot(slot, present & ~before)
   treedef = table.value_spec.treedef
 

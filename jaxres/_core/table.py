@@ -117,6 +117,15 @@ class Table(abc.ABC):
       return [jnp.broadcast_to(d, batch + d.shape) for d in self.default]
     return self.value_spec.to_storage(self.value_spec.spread(default), batch, "default", broadcast=True)
 
+  def _active(self, valid, batch):
+    """``valid`` as a flat ``bool`` mask, or ``None``."""
+    if valid is None:
+      return None
+    active = jnp.asarray(valid)
+    if active.dtype != bool or active.shape != batch:
+      raise ValueError(f"valid: expected bool{list(batch)}, got {active.dtype}{list(active.shape)}.")
+    return active.reshape(-1)
+
   def _empty_result(self, batch):
     return self._output([x.reshape((0, *x.shape[len(batch) :])) for x in self._default(None, batch)], batch)
 
@@ -178,7 +187,7 @@ class Table(abc.ABC):
 
   # ----------------------------------------------------------- mutations
 
-  def insert(self, keys, values) -> Table:
+  def insert(self, keys, values, valid=None) -> Table:
     """Inserts or assigns; the last duplicate in the batch wins.
 
     New keys that do not fit (``size == capacity``) are counted in
@@ -188,22 +197,31 @@ class Table(abc.ABC):
       keys: ``key_dtype[*batch, *key_shape]``.
       values: value pytree with leaves ``[*batch, *value_shape]`` (a scalar
         leaf broadcasts).
+      valid: optional ``bool[*batch]``; rows marked ``False`` are skipped
+        (padding in a fixed-shape batch).
 
     Returns:
       The new table.
     """
     words, batch = self._keys(keys)
     leaves = self._values(values, batch)
+    active = self._active(valid, batch)
     if not words.shape[0]:
       return self
-    return kernels.upsert(self, words, leaves, None, mode="insert")[0]
+    return kernels.upsert(self, words, leaves, active, mode="insert")[0]
 
-  def find_or_insert(self, keys, values) -> tuple[Table, Any]:
+  def find_or_insert(self, keys, values, valid=None) -> tuple[Table, Any]:
     """Returns existing values and inserts the missing keys with ``values``.
 
     The first occurrence of a new key inserts it; later duplicates see that
     value. A new key that does not fit gets the table default and is counted
     in :attr:`dropped`.
+
+    Args:
+      keys: ``key_dtype[*batch, *key_shape]``.
+      values: value pytree with leaves ``[*batch, *value_shape]``.
+      valid: optional ``bool[*batch]``; rows marked ``False`` are skipped
+        and get the table default (padding in a fixed-shape batch).
 
     Returns:
       ``(table, values)`` where ``values`` has leaves ``[*batch, *value_shape]``.
@@ -217,12 +235,15 @@ class Table(abc.ABC):
     """
     words, batch = self._keys(keys)
     leaves = self._values(values, batch)
+    active = self._active(valid, batch)
     if not words.shape[0]:
       return self, self._empty_result(batch)
-    table, out = kernels.upsert(self, words, leaves, None, mode="first")
+    table, out = kernels.upsert(self, words, leaves, active, mode="first")
+    if active is not None:
+      out = kernels.select_rows(active, out, self._default(None, (words.shape[0],)))
     return table, self._output(out, batch)
 
-  def insert_or_apply(self, keys, values, fn: Callable) -> Table:
+  def insert_or_apply(self, keys, values, fn: Callable, valid=None) -> Table:
     """New keys get ``values``; existing ones become ``fn(old, new)``.
 
     Duplicates within the batch fold in order: a key ``k`` present with value
@@ -235,6 +256,8 @@ class Table(abc.ABC):
         vectorised with ``jax.vmap``), e.g. ``jnp.add``. 64-bit integer leaves
         with x64 off appear as uint32 word pairs. Pass the same function object
         each call to avoid recompiling.
+      valid: optional ``bool[*batch]``; rows marked ``False`` are skipped
+        (padding in a fixed-shape batch).
 
     Example:
       >>> import jax.numpy as jnp, jaxres as jr
@@ -247,10 +270,11 @@ class Table(abc.ABC):
       raise TypeError(f"fn: expected a callable fn(old, new), got {fn!r}.")
     words, batch = self._keys(keys)
     leaves = self._values(values, batch)
+    active = self._active(valid, batch)
     if not words.shape[0]:
       return self
     self._check_fn(fn)
-    return kernels.apply(self, words, leaves, fn=fn)
+    return kernels.apply(self, words, leaves, active, fn=fn)
 
   def _check_fn(self, fn):
     entry = [jax.ShapeDtypeStruct(s.storage_shape, s.storage_dtype) for s in self.value_spec.leaves]
@@ -264,12 +288,19 @@ class Table(abc.ABC):
     if jax.tree.structure(out) != self.value_spec.treedef or got != want:
       raise TypeError(f"fn: must return an entry like {tree}, got {out}.")
 
-  def remove(self, keys) -> Table:
-    """Removes keys; absent keys are ignored."""
-    words, _ = self._keys(keys)
+  def remove(self, keys, valid=None) -> Table:
+    """Removes keys; absent keys are ignored.
+
+    Args:
+      keys: ``key_dtype[*batch, *key_shape]``.
+      valid: optional ``bool[*batch]``; rows marked ``False`` are skipped
+        (padding in a fixed-shape batch).
+    """
+    words, batch = self._keys(keys)
+    active = self._active(valid, batch)
     if not words.shape[0]:
       return self
-    return kernels.remove(self, words)
+    return kernels.remove(self, words, active)
 
   # ------------------------------------------------------ whole contents
 
@@ -298,12 +329,7 @@ class Table(abc.ABC):
     """
     words, batch = self._keys(keys)
     leaves = self._values(values, batch)
-    active = None
-    if valid is not None:
-      active = jnp.asarray(valid)
-      if active.dtype != bool or active.shape != batch:
-        raise ValueError(f"valid: expected bool{list(batch)}, got {active.dtype}{list(active.shape)}.")
-      active = active.reshape(-1)
+    active = self._active(valid, batch)
     empty = self._cleared()
     if not words.shape[0]:
       return empty
@@ -356,9 +382,9 @@ class Table(abc.ABC):
     """insert / find_or_insert on flat rows; storages may specialise."""
     return kernels.exact_upsert(self, words, leaves, active, mode)
 
-  def _remove_rows(self, words) -> Table:
-    """remove on flat rows: the first row of each present key releases it."""
-    return kernels.release_present(self, words)
+  def _remove_rows(self, words, active) -> Table:
+    """remove on flat rows: the first active row of each present key releases it."""
+    return kernels.release_present(self, words, active)
 
   @abc.abstractmethod
   def _with_capacity(self, capacity: int) -> Table:
