@@ -27,15 +27,6 @@ def chunk_size(n: int) -> int:
   return min(n, max(64, n // 8))
 
 
-def prefix_sum(x: jax.Array) -> jax.Array:
-  """Inclusive int32 prefix sums of a 1-D array.
-
-  An associative scan: on XLA CPU about twice as fast as ``jnp.cumsum``
-  (110 µs against 240 µs for 65536 rows), and exact for integers.
-  """
-  return jax.lax.associative_scan(jnp.add, x.astype(jnp.int32))
-
-
 def pending_rows(mask: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
   """Up to ``chunk`` indices of True rows, lowest first: ``(rows, target)``.
 
@@ -43,7 +34,7 @@ def pending_rows(mask: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
   pointing past the end, for scatters with ``mode="drop"``.
   """
   n = mask.shape[0]
-  position = prefix_sum(mask) - 1
+  position = jnp.cumsum(mask, dtype=jnp.int32) - 1
   keep = mask & (position < chunk)
   target = jnp.full((chunk,), n, jnp.int32)
   target = target.at[jnp.where(keep, position, chunk)].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
