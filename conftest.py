@@ -1,0 +1,36 @@
+"""Suite-wide hooks (tests and doctests alike).
+
+XLA:CPU maps about three pages per kernel it JIT-compiles, and a table
+operation such as ``insert_or_apply`` has some 140 kernels: one executable
+costs about 400 of the process's memory mappings. A worker that keeps ~150 of
+them alive reaches Linux's ``vm.max_map_count`` (65530 by default); the next
+compile then fails inside LLVM ("Cannot allocate memory") and the worker dies
+with a segmentation fault. The suite compiles far more shapes than a real
+program, so a worker drops JAX's caches (freeing the executables) when it has
+used half of the limit.
+"""
+
+from __future__ import annotations
+
+import jax
+
+
+def _read_limit() -> int | None:
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      return int(f.read())
+  except (OSError, ValueError):  # not Linux
+    return None
+
+
+_MAP_LIMIT = _read_limit()
+
+
+def _mapped_regions() -> int:
+  with open("/proc/self/maps", "rb") as f:
+    return sum(1 for _ in f)
+
+
+def pytest_runtest_teardown(item):
+  if _MAP_LIMIT is not None and _mapped_regions() > _MAP_LIMIT // 2:
+    jax.clear_caches()
