@@ -1,4 +1,4 @@
-"""Suite-wide hooks (tests and doctests alike).
+"""Suite-wide set-up (tests and doctests alike).
 
 XLA:CPU maps about three pages per kernel it JIT-compiles, and a table
 operation such as ``insert_or_apply`` has some 140 kernels: one executable
@@ -13,6 +13,9 @@ used half of the limit.
 from __future__ import annotations
 
 import jax
+
+# Sharded tables are tested on 8 CPU devices (set before any backend starts).
+jax.config.update("jax_num_cpu_devices", 8)
 
 
 def _read_limit() -> int | None:

@@ -9,6 +9,7 @@
 
 from jaxres import keys as keys
 from jaxres._core.open_addressing import OpenAddressingTable as OpenAddressingTable
+from jaxres._core.sharded import ShardedTable as ShardedTable
 from jaxres._core.sorted_table import SortedTable as SortedTable
 from jaxres._core.table import Table as Table
 from jaxres._shell.initializers import KeyValueInitializer as KeyValueInitializer
@@ -38,6 +39,7 @@ __all__ = [
   "OpenAddressingTable",
   "Resource",
   "ResourceManager",
+  "ShardedTable",
   "SortedTable",
   "StaticHashTable",
   "StaticVocabularyTable",

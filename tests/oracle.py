@@ -14,6 +14,31 @@ import jaxres as jr
 STORAGES = [jr.OpenAddressingTable, jr.SortedTable]
 
 
+def mesh_of(num_devices: int, axis: str = "shard"):
+  return jax.make_mesh((num_devices,), (axis,), devices=jax.devices()[:num_devices])
+
+
+class Sharded:
+  """Builds ShardedTables like a storage class builds tables, with shards that never fill
+  before the whole table does (so the dict model's capacity holds exactly)."""
+
+  def __init__(self, storage, num_devices: int = 8):
+    self.storage, self.num_devices = storage, num_devices
+    self.__name__ = f"Sharded{num_devices}{storage.__name__}"
+
+  def create(self, capacity, key, value, default=0):
+    return jr.ShardedTable.create(
+      mesh_of(self.num_devices),
+      "shard",
+      capacity,
+      key,
+      value,
+      default,
+      storage=self.storage,
+      shard_capacity=capacity,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Kind:
   """A key/value configuration: how to build a table and random batches for it."""
@@ -191,9 +216,56 @@ def exported(table) -> dict:
   return out
 
 
+def entries(table) -> dict:
+  """A table's live contents as {key tuple: value lists}: comparable with ``==``."""
+  return {k: [np.asarray(x).tolist() for x in row] for k, row in exported(table).items()}
+
+
 def assert_matches(table, model: DictTable):
   got = exported(table)
   assert set(got) == set(model.data)
   assert_rows_equal([got[k] for k in model.data], list(model.data.values()))
   assert int(table.size) == len(model.data)
   assert int(table.dropped) == model.dropped
+
+
+def twice_plus(old, new):
+  return jax.tree.map(lambda a, b: a * 2 + b, old, new)
+
+
+def twice_plus_rows(old, new):
+  return tuple(a * 2 + b for a, b in zip(old, new))
+
+
+def run_random_operations(table, model: DictTable, rng: np.random.Generator, steps: int = 40, batch: int = 8):
+  """Random batches of every operation on ``table`` and ``model``; they must agree at each step."""
+  kind = model.kind
+  for step in range(steps):
+    op = rng.choice(
+      ["insert", "find_or_insert", "apply", "remove", "find", "import"], p=[0.3, 0.2, 0.2, 0.15, 0.1, 0.05]
+    )
+    keys, values = kind.keys(rng, batch, pool=16), kind.values(rng, batch)
+    if op == "insert":
+      table = table.insert(keys, values)
+      model.insert(keys, values)
+    elif op == "find_or_insert":
+      table, got = table.find_or_insert(keys, values)
+      assert_rows_equal(table_rows(got, batch), model.find_or_insert(keys, values))
+    elif op == "apply":
+      table = table.insert_or_apply(keys, values, twice_plus)
+      model.insert_or_apply(keys, values, twice_plus_rows)
+    elif op == "remove":
+      table = table.remove(keys)
+      model.remove(keys)
+    elif op == "find":
+      assert_rows_equal(table_rows(table.find(keys), batch), model.find(keys))
+      found, present = table.lookup(keys)
+      assert_rows_equal(table_rows(found, batch), model.find(keys))
+      np.testing.assert_array_equal(present, model.contains(keys))
+      np.testing.assert_array_equal(table.contains(keys), model.contains(keys))
+    else:
+      valid = rng.random(batch) < 0.7
+      table = table.import_(keys, values, valid)
+      model.import_(keys, values, valid)
+    assert_matches(table, model), f"diverged after step {step} ({op})"
+  return table

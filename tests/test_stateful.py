@@ -7,7 +7,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from oracle import KINDS, STORAGES, DictTable, assert_matches, assert_rows_equal, table_rows
+from oracle import KINDS, STORAGES, DictTable, Sharded, assert_matches, assert_rows_equal, table_rows
+
+import jaxres as jr
 
 BATCH = 4
 CAPACITIES = (6, 10)
@@ -21,11 +23,11 @@ def _add_rows(old, new):
   return tuple(a + b for a, b in zip(old, new))
 
 
-def machine_for(storage, kind):
+def machine_for(storage, kind, capacities=CAPACITIES, max_examples=25):
   class TableMachine(RuleBasedStateMachine):
     def __init__(self):
       super().__init__()
-      self.capacity = CAPACITIES[0]
+      self.capacity = capacities[0]
       self.table = kind.create(storage, self.capacity)
       self.model = DictTable(kind, self.capacity)
       self.pool = kind.keys(np.random.default_rng(0), 10, pool=10)
@@ -77,7 +79,7 @@ def machine_for(storage, kind):
 
     @rule()
     def resize(self):
-      capacity = CAPACITIES[1] if self.capacity == CAPACITIES[0] else CAPACITIES[0]
+      capacity = capacities[1] if self.capacity == capacities[0] else capacities[0]
       if len(self.model.data) > capacity:
         with pytest.raises(ValueError, match="capacity"):
           self.table.resize(capacity)
@@ -90,7 +92,7 @@ def machine_for(storage, kind):
       assert_matches(self.table, self.model)
 
   TableMachine.TestCase.settings = settings(
-    max_examples=25, stateful_step_count=25, deadline=None, suppress_health_check=list(HealthCheck)
+    max_examples=max_examples, stateful_step_count=25, deadline=None, suppress_health_check=list(HealthCheck)
   )
   return TableMachine
 
@@ -100,3 +102,8 @@ for _storage in STORAGES:
   for _kind in ("int64", "pair_int32", "uint64"):
     _name = f"Test{_storage.__name__}_{_kind}"
     globals()[_name] = machine_for(_storage, _KINDS[_kind]).TestCase
+
+# Sharded over 8 devices; the capacities exceed the 10 keys drawn, so no shard fills.
+TestShardedOpenAddressingTable_int64 = machine_for(
+  Sharded(jr.OpenAddressingTable), _KINDS["int64"], capacities=(12, 16), max_examples=10
+).TestCase

@@ -1,8 +1,9 @@
 """The jitted operations behind :class:`Table` and the batch algorithms they use.
 
 Each public ``Table`` method validates its arguments on the host and then
-calls one function here, jitted once per shape. They are written against the
-storage primitives (``_locate``, ``_place``, ...), so both storages share them.
+calls one function here, jitted once per shape, which calls the table's row
+operations. The unjitted algorithms below implement those row operations for
+both storages on top of the storage primitives (``_locate``, ``_place``, ...).
 """
 
 from __future__ import annotations
@@ -38,13 +39,12 @@ def select_rows(mask, on_true, on_false):
 
 @jax.jit
 def lookup(table: Table, words, defaults):
-  found, slot = table._locate(words)
-  return select_rows(found, take_rows(table.values, slot), defaults), found
+  return table._lookup_rows(words, defaults)
 
 
 @jax.jit
 def contains(table: Table, words):
-  return table._locate(words)[0]
+  return table._lookup_rows(words, [])[1]
 
 
 @jax.jit
@@ -55,6 +55,12 @@ def compact(table: Table):
 @jax.jit
 def remove(table: Table, words, active):
   return table._remove_rows(words, active)
+
+
+def lookup_present(table: Table, words, defaults):
+  """``(leaves, found)``: the stored values of present keys, ``defaults`` elsewhere."""
+  found, slot = table._locate(words)
+  return select_rows(found, take_rows(table.values, slot), defaults), found
 
 
 def release_present(table: Table, words, active=None) -> Table:
@@ -74,6 +80,11 @@ def upsert(table: Table, words, leaves, active, *, mode: str):
 
 @functools.partial(jax.jit, static_argnames=("fn",))
 def apply(table: Table, words, leaves, active, *, fn):
+  """insert_or_apply (see :func:`fold_in`)."""
+  return table._apply_rows(words, leaves, active, fn)
+
+
+def fold_in(table: Table, words, leaves, active, fn):
   """insert_or_apply: the first occurrence of a new key inserts, every other row folds in.
 
   Each round applies ``fn`` to the earliest pending row of every slot, so the

@@ -37,7 +37,7 @@ from jaxres._core import batch as batch_lib
 from jaxres._core import claims, codec
 from jaxres._core.hashing import hash_words
 from jaxres._core.kernels import exact_upsert, select_rows, take_rows
-from jaxres._core.table import Table, check_capacity, empty_fields, pytree_dataclass, static_field
+from jaxres._core.table import Storage, check_capacity, empty_fields, pytree_dataclass, static_field
 from jaxres._core.values import ValueSpec
 
 _MAX_LOAD = 0.5  # live entries per slot at full capacity: short probe chains, ~26 B/entry
@@ -45,7 +45,7 @@ _LANE_MIX = np.uint32(0x9E3779B1)
 
 
 @pytree_dataclass
-class OpenAddressingTable(Table):
+class OpenAddressingTable(Storage):
   """A mutable hash table with O(1) expected probes per key.
 
   Create one with :meth:`create`; every method returns a new table (see

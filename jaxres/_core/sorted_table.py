@@ -22,7 +22,7 @@ from jax import lax
 from jaxres._core import batch as batch_lib
 from jaxres._core import codec
 from jaxres._core.kernels import exact_upsert, update_existing
-from jaxres._core.table import Table, check_capacity, empty_fields, pytree_dataclass, static_field
+from jaxres._core.table import Storage, check_capacity, empty_fields, pytree_dataclass, static_field
 from jaxres._core.values import ValueSpec
 
 
@@ -37,7 +37,7 @@ def _less(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 @pytree_dataclass
-class SortedTable(Table):
+class SortedTable(Storage):
   """A compact table of sorted keys for read-mostly workloads.
 
   Same methods and results as :class:`OpenAddressingTable` (see

@@ -1,8 +1,14 @@
-"""The ``Table`` protocol and the batch algorithms both storages share.
+"""The ``Table`` protocol and the batch algorithms the storages share.
 
-A storage (open addressing, sorted array) provides five primitives over flat
-batches of uint32 key rows; everything a user calls is written once here on
-top of them:
+Public methods validate and encode arguments on the host, then call one jitted
+function per operation (:mod:`kernels`), so eager calls are compiled once per
+shape and calls inside a user's ``jit`` simply inline. The kernels work on
+flat batches of uint32 key rows through a table's row operations
+(``_lookup_rows``, ``_upsert_rows``, ``_apply_rows``, ``_remove_rows``,
+``_compact``).
+
+A :class:`Storage` (open addressing, sorted array) implements the row
+operations once, on top of five primitives:
 
 * ``_group(words, active)``: sort the batch into groups of equal keys;
 * ``_locate(words)``: ``(found, slot)`` of live entries;
@@ -10,9 +16,7 @@ top of them:
 * ``_release(words, slot, mask)``: delete entries;
 * ``_compact()``: all live entries packed at the front of ``capacity`` rows.
 
-Public methods validate and encode arguments on the host, then call one jitted
-function per operation, so eager calls are compiled once per shape and calls
-inside a user's ``jit`` simply inline.
+A sharded table instead routes each row to the storage that owns its key.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxres._core import batch as batch_lib
 from jaxres._core import codec, display, kernels
@@ -348,6 +353,34 @@ class Table(abc.ABC):
     words, leaves, valid = kernels.compact(self)
     return kernels.upsert(self._with_capacity(capacity), words, leaves, valid, mode="insert")[0]
 
+  def _live_by_shard(self) -> list[tuple[np.ndarray, list[np.ndarray]]]:
+    """The live entries on the host, ``(keys, value leaves)`` per shard, in exact dtypes."""
+    return [self._host_entries(*kernels.compact(self))]
+
+  def _host_entries(self, words, leaves, valid) -> tuple[np.ndarray, list[np.ndarray]]:
+    live = np.asarray(valid)
+    keys = self.key_spec.decode(jnp.asarray(np.asarray(words)[live]))
+    values = self.value_spec.from_storage([jnp.asarray(np.asarray(x)[live]) for x in leaves])
+    return np.asarray(keys), [np.asarray(x) for x in jax.tree.leaves(values)]
+
+  def _with_entries(self, keys, values, name: str) -> Table:
+    """A table like this one (emptied) holding exactly the entries ``keys -> values``.
+
+    Raises:
+      ValueError: naming ``name``, when the entries do not fit the capacity.
+    """
+    words, batch = self._keys(keys, f"{name}: keys")
+    leaves = self._values(values, batch, f"{name}: values")
+    table = self._cleared()
+    if words.shape[0]:
+      table = kernels.upsert(table, words, leaves, None, mode="insert")[0]
+    if int(table.dropped):
+      raise ValueError(
+        f"{name}: {words.shape[0]} entries do not fit a table of capacity {self.capacity} "
+        f"({int(table.dropped)} would be lost)."
+      )
+    return table
+
   def __repr__(self) -> str:
     size = "traced" if codec.is_traced(self.size) else int(self.size)
     return (
@@ -367,28 +400,58 @@ class Table(abc.ABC):
       type(self).__name__, facts, display.first_entries(keys, values, min(10, size)), size
     )
 
-  # ------------------------------------------------- storage primitives
+  # ------------------------------------------------------ row operations
+  # Flat batches of uint32 key rows, called inside the jitted kernels.
 
   def _cleared(self) -> Table:
     return self._with_capacity(self.capacity)
+
+  @abc.abstractmethod
+  def _with_capacity(self, capacity: int) -> Table:
+    """An empty table with this one's specs and default and a new capacity."""
+
+  @abc.abstractmethod
+  def _lookup_rows(self, words, defaults) -> tuple[list, jax.Array]:
+    """``(leaves, found)``: stored values of present keys, ``defaults`` (leaves) elsewhere."""
+
+  @abc.abstractmethod
+  def _upsert_rows(self, words, leaves, active, mode) -> tuple[Table, list]:
+    """insert (``mode="insert"``) or find_or_insert (``"first"``) on flat rows."""
+
+  @abc.abstractmethod
+  def _apply_rows(self, words, leaves, active, fn) -> Table:
+    """insert_or_apply on flat rows."""
+
+  @abc.abstractmethod
+  def _remove_rows(self, words, active) -> Table:
+    """remove on flat rows."""
+
+  @abc.abstractmethod
+  def _compact(self) -> tuple[jax.Array, list, jax.Array]:
+    """``(words[rows, W], leaves, valid)`` with the live entries first."""
+
+
+class Storage(Table):
+  """A table held in one set of arrays: the row operations, written once over five primitives."""
+
+  def _lookup_rows(self, words, defaults):
+    return kernels.lookup_present(self, words, defaults)
+
+  def _upsert_rows(self, words, leaves, active, mode):
+    return kernels.exact_upsert(self, words, leaves, active, mode)
+
+  def _apply_rows(self, words, leaves, active, fn):
+    return kernels.fold_in(self, words, leaves, active, fn)
+
+  def _remove_rows(self, words, active):
+    """The first active row of each present key releases it."""
+    return kernels.release_present(self, words, active)
 
   def _write(self, slot, rows, mask) -> Table:
     """Overwrites the values of existing entries at ``slot`` where ``mask``."""
     index = jnp.where(mask, slot, self.values[0].shape[0])
     values = tuple(v.at[index].set(r, mode="drop") for v, r in zip(self.values, rows))
     return dataclasses.replace(self, values=values)
-
-  def _upsert_rows(self, words, leaves, active, mode) -> tuple[Table, list]:
-    """insert / find_or_insert on flat rows; storages may specialise."""
-    return kernels.exact_upsert(self, words, leaves, active, mode)
-
-  def _remove_rows(self, words, active) -> Table:
-    """remove on flat rows: the first active row of each present key releases it."""
-    return kernels.release_present(self, words, active)
-
-  @abc.abstractmethod
-  def _with_capacity(self, capacity: int) -> Table:
-    """An empty table with this one's specs and default and a new capacity."""
 
   @abc.abstractmethod
   def _group(self, words, active) -> batch_lib.Groups:
@@ -405,7 +468,3 @@ class Table(abc.ABC):
   @abc.abstractmethod
   def _release(self, words, slot, mask) -> Table:
     """Deletes the entries of keys ``words`` at ``slot`` where ``mask`` (unique keys)."""
-
-  @abc.abstractmethod
-  def _compact(self) -> tuple[jax.Array, list, jax.Array]:
-    """``(words[capacity, W], leaves, valid)`` with live entries first."""

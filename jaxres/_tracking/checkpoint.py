@@ -91,7 +91,7 @@ class _Deferred:
 
   def restore(self, value: Any) -> Any:
     """Restores ``value`` (raising, with nothing changed, on a mismatch); returns what to attach."""
-    if nodes.kind_of(value) in ("array", "pytree"):
+    if nodes.kind_of(value) in nodes.VALUE_KINDS:
       restored = nodes.plan_value(self.reader, value, self.path)
       self.status._matched.update(self.reader.subtree(self.path))
       self.status._pending.pop(self.path, None)

@@ -12,8 +12,9 @@ _ARRAY_FIELDS = ("value", "keys")
 def inspect_checkpoint(path) -> list[dict]:
   """The object graph of a checkpoint: one entry per object path, arrays unread.
 
-  Each entry has ``path``, ``kind`` (``table``, ``resource``, ``module``,
-  ``trackable``, ``array``, ``pytree`` or ``alias``), ``type``, and
+  Each entry has ``path``, ``kind`` (``table``, ``table_value`` for a
+  functional table, ``resource``, ``module``, ``trackable``, ``array``,
+  ``pytree`` or ``alias``), ``type``, and
   ``arrays``: a list of ``{"name", "shape", "dtype"}``. An alias entry names
   the path it shares (``of``).
 
@@ -44,6 +45,8 @@ def _array_refs(node: dict) -> list[tuple[str, str]]:
   refs = [(field, node[field]) for field in _ARRAY_FIELDS if field in node]
   refs += [(f"values/{i}", key) for i, key in enumerate(node.get("values", []))]
   refs += sorted(node.get("variables", {}).items())
+  for i, shard in enumerate(node.get("shards", [])):  # a functional table, shard by shard
+    refs += [(f"shards/{i}/{name}", key) for name, key in _array_refs(shard)]
   if "layout" in node:
     refs += _layout_refs(node["layout"], "")
   return refs

@@ -19,18 +19,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxres._core.table import Table
 from jaxres._shell.lookup_table import LookupTable
 from jaxres._shell.resource import Resource, ResourceState
 from jaxres._tracking import paths
 from jaxres._tracking.trackable import Trackable
 
 Action = Callable[[], None]
+VALUE_KINDS = ("array", "pytree", "table_value")  # restored by replacing the attribute
 
 
 def kind_of(obj: Any) -> str:
   """The manifest kind of a graph object."""
   if isinstance(obj, LookupTable):
     return "table"
+  if isinstance(obj, Table):  # a functional table: an immutable value, like an array
+    return "table_value"
   if isinstance(obj, Resource):
     return "resource"
   if isinstance(obj, nnx.Pytree):  # nnx.Module, nnx.Optimizer, ...
@@ -88,7 +92,7 @@ def _pytree_layout(value, writer: Writer, path: str):
 def save_node(obj: Any, path: str, writer: Writer) -> None:
   """Records ``obj`` (and its subtree) under ``path``."""
   kind = kind_of(obj)
-  if kind not in ("array", "pytree"):
+  if kind not in VALUE_KINDS:
     if id(obj) in writer.seen:
       writer.nodes[path] = {"kind": "alias", "of": writer.seen[id(obj)]}
       return
@@ -115,6 +119,12 @@ def save_node(obj: Any, path: str, writer: Writer) -> None:
     node["children"] = list(children)
     for name, child in children.items():
       save_node(child, paths.child(path, name), writer)
+  elif kind == "table_value":
+    node["config"] = _table_config(obj)
+    node["shards"] = [
+      {"keys": writer.add(keys), "values": [writer.add(v) for v in values]}
+      for keys, values in obj._live_by_shard()
+    ]
   elif kind == "array":
     node["value"] = writer.add(obj)
   else:
@@ -184,10 +194,29 @@ def _rebuild_layout(reader: Reader, layout: dict):
   return tuple(items) if tag == "tuple" else items
 
 
+def _table_config(table: Table) -> dict:
+  return {"key": str(table.key_spec), "value": str(table.value_spec)}
+
+
+def _restored_table(reader: Reader, node: dict, existing: Table, path: str) -> Table:
+  """``existing`` (its storage, capacity and mesh) refilled with the checkpointed entries."""
+  config = _table_config(existing)
+  if config != node["config"]:
+    raise ValueError(f"{path}: the checkpoint holds a table of {node['config']}, the object is {config}.")
+  shards = node["shards"]
+  keys = np.concatenate([reader.arrays[shard["keys"]] for shard in shards])
+  leaves = [
+    np.concatenate(parts) for parts in zip(*[[reader.arrays[k] for k in s["values"]] for s in shards])
+  ]
+  return existing._with_entries(keys, jax.tree.unflatten(existing.value_spec.treedef, leaves), path)
+
+
 def plan_value(reader: Reader, existing, path: str):
-  """Checks an array or pytree attribute against its node; returns the restored value."""
+  """Checks a value attribute (array, pytree, functional table) against its node; returns its new value."""
   _, node = reader.resolve(path)
   _check_kind(existing, node, path)
+  if node["kind"] == "table_value":
+    return _restored_table(reader, node, existing, path)
   value = rebuild_value(reader, node, path)
   if jax.tree.structure(existing) != jax.tree.structure(value):
     raise ValueError(
@@ -280,7 +309,7 @@ def plan_restore(reader: Reader, obj: Any, path: str, report: Report) -> list[Ac
       child_path = paths.child(path, name)
       if name not in children:
         report.missing.append((obj, name, child_path))
-      elif kind_of(children[name]) in ("array", "pytree"):
+      elif kind_of(children[name]) in VALUE_KINDS:
         value = plan_value(reader, children[name], child_path)
         report.matched.update(reader.subtree(child_path))
         actions.append(lambda name=name, value=value: object.__setattr__(obj, name, value))

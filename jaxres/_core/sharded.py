@@ -1,0 +1,304 @@
+"""A table partitioned across the devices of a mesh axis, on JAX's SPMD runtime.
+
+Each device holds one ordinary table (a *shard*): the keys whose routing hash
+falls to it. The shards are stacked on a leading axis that is split over the
+mesh axis, so the whole table is one pytree of sharded ``jax.Array`` s.
+
+A batched operation runs under :func:`jax.shard_map` over that axis:
+
+1. The batch is split over the devices (padded to a multiple of their number).
+2. Each device sorts its rows into one buffer per owner shard, keeping their
+   order, and a single ``all_to_all`` delivers every buffer to its owner.
+   Rows arrive grouped by source device, in batch order, so each shard sees
+   its keys exactly in the order of the whole batch.
+3. The owner runs the ordinary table operation on the rows it received
+   (padding is masked with ``valid``), and a second ``all_to_all`` returns the
+   per-row results to the devices the rows came from.
+
+All duplicates of a key meet on one shard, so every result equals that of an
+unsharded table. A buffer holds the worst case (all of a device's rows for one
+owner), so nothing is ever dropped in transit, whatever the skew: each
+device sends ``num_shards`` times its share of the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jaxres._core import codec, kernels
+from jaxres._core.hashing import hash_words
+from jaxres._core.open_addressing import OpenAddressingTable
+from jaxres._core.table import Storage, Table, check_capacity, pytree_dataclass, static_field
+from jaxres._core.values import ValueSpec
+
+_ROUTING_SEED = 0x5EED  # independent of the storages' bucket hash (seed 0)
+_HEADROOM_SIGMAS = 6
+
+
+def shard_capacity_for(capacity: int, num_shards: int) -> int:
+  """Per-shard capacity so that ``capacity`` distinct keys fit.
+
+  A uniform hash gives each shard a binomial number of distinct keys, mean
+  ``capacity / num_shards``; six standard deviations of headroom make an
+  overflow a one-in-a-billion event. How *often* keys occur (a Zipf stream)
+  does not matter: only distinct keys take room.
+
+  Example:
+    >>> shard_capacity_for(1 << 20, 8), shard_capacity_for(16, 8)
+    (133240, 11)
+  """
+  mean = capacity / num_shards
+  return min(capacity, math.ceil(mean + _HEADROOM_SIGMAS * math.sqrt(mean)))
+
+
+def owner_of(words: jax.Array, num_shards: int) -> jax.Array:
+  """int32[N]: the shard that owns each key row."""
+  return (hash_words(words, seed=_ROUTING_SEED) % np.uint32(num_shards)).astype(jnp.int32)
+
+
+@pytree_dataclass
+class ShardedTable(Table):
+  """A hash table whose entries are spread over the devices of a mesh axis.
+
+  The same methods as every :class:`Table`, with the same results as an
+  unsharded table of the storage it is built from, under ``jit`` too (not
+  under ``vmap``). Create one with :meth:`create`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxres as jr
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("shard",))
+    >>> t = jr.ShardedTable.create(mesh, "shard", capacity=64, key=jnp.int32, value=jnp.float32)
+    >>> t = t.insert(jnp.array([3, 5, 3]), jnp.array([1.0, 2.0, 4.0]))
+    >>> t.find(jnp.array([3, 5, 7])).tolist(), int(t.size)
+    ([4.0, 2.0, 0.0], 2)
+  """
+
+  shards: Storage  # per-device tables, stacked on a leading axis split over `axis`
+  default: tuple  # leaves [*storage_shape]
+  mesh: Mesh = static_field()
+  axis: str = static_field()
+  capacity: int = static_field()
+  key_spec: codec.KeySpec = static_field()
+  value_spec: ValueSpec = static_field()
+
+  @classmethod
+  def create(
+    cls,
+    mesh: Mesh,
+    axis: str,
+    capacity: int,
+    key,
+    value,
+    default=0,
+    *,
+    storage: type[Storage] = OpenAddressingTable,
+    shard_capacity: int | None = None,
+    **options,
+  ) -> ShardedTable:
+    """An empty table over the devices of ``mesh`` along ``axis``.
+
+    Args:
+      mesh: a :class:`jax.sharding.Mesh`; other axes than ``axis`` hold
+        replicas.
+      axis: the mesh axis the entries are partitioned over.
+      capacity: static total number of distinct keys the table is sized for.
+      key, value, default: as for the storage's ``create``.
+      storage: the table class of each shard, :class:`OpenAddressingTable`
+        (default) or :class:`SortedTable`.
+      shard_capacity: entries each shard holds; defaults to
+        :func:`shard_capacity_for` ``(capacity, num_shards)``. New keys that
+        do not fit their shard are counted in :attr:`dropped_per_shard`.
+      **options: further arguments of ``storage.create`` (``bucket_size``).
+
+    Raises:
+      TypeError: ``mesh`` is not a Mesh, ``storage`` not a storage class, or
+        what the storage's ``create`` raises.
+      ValueError: ``axis`` is not an axis of ``mesh``, or bad capacities.
+    """
+    if not isinstance(mesh, Mesh):
+      raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    if axis not in mesh.axis_names:
+      raise ValueError(f"axis: {axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}.")
+    if not (isinstance(storage, type) and issubclass(storage, Storage)):
+      raise TypeError(f"storage: expected OpenAddressingTable or SortedTable, got {storage!r}.")
+    capacity = check_capacity(capacity)
+    # Routing reshards the batch itself, so the mesh's axes are used in Auto
+    # mode (``jax.make_mesh`` makes Explicit ones) and any input sharding works.
+    mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    num_shards = mesh.shape[axis]
+    if shard_capacity is None:
+      shard_capacity = shard_capacity_for(capacity, num_shards)
+    shard_capacity = check_capacity(shard_capacity, "shard_capacity")
+    one = storage.create(shard_capacity, key, value, default, **options)
+    return cls(
+      shards=_stacked(lambda: storage.create(shard_capacity, key, value, default, **options), mesh, axis),
+      default=jax.device_put(one.default, NamedSharding(mesh, PartitionSpec())),  # as jit returns it
+      mesh=mesh,
+      axis=axis,
+      capacity=capacity,
+      key_spec=one.key_spec,
+      value_spec=one.value_spec,
+    )
+
+  # ------------------------------------------------------------ counts
+
+  @property
+  def num_shards(self) -> int:
+    return self.mesh.shape[self.axis]
+
+  @property
+  def shard_capacity(self) -> int:
+    return self.shards.capacity
+
+  @property
+  def size(self) -> jax.Array:
+    """int32[]: live entries over all shards."""
+    return jnp.sum(self.shards.size)
+
+  @property
+  def dropped(self) -> jax.Array:
+    """int32[]: new keys lost because their shard was full."""
+    return jnp.sum(self.shards.dropped)
+
+  @property
+  def size_per_shard(self) -> jax.Array:
+    """int32[num_shards]: live entries of each shard."""
+    return self.shards.size
+
+  @property
+  def dropped_per_shard(self) -> jax.Array:
+    """int32[num_shards]: new keys each shard could not hold."""
+    return self.shards.dropped
+
+  def export(self):
+    """All entries as fixed-shape arrays ``(keys, values, valid)``.
+
+    ``num_shards * shard_capacity`` rows (every entry the shards can hold),
+    live entries first; otherwise as :meth:`Table.export`.
+    """
+    return super().export()
+
+  # ---------------------------------------------------- row operations
+
+  def _with_capacity(self, capacity):
+    if capacity == self.capacity:
+      shard_capacity = self.shard_capacity  # as created, perhaps by hand
+    else:
+      shard_capacity = shard_capacity_for(capacity, self.num_shards)
+    first = jax.tree.map(lambda x: x[0], self.shards)
+    shards = _stacked(lambda: first._with_capacity(shard_capacity), self.mesh, self.axis)
+    return dataclasses.replace(self, shards=shards, capacity=capacity)
+
+  def _lookup_rows(self, words, defaults):
+    def op(shard, words, active, rows):
+      del active, rows
+      leaves, found = shard._lookup_rows(words, list(shard.default) if defaults else [])
+      return shard, [*leaves, found]
+
+    _, out = self._routed(op, words, None, [])
+    found = out.pop()
+    return kernels.select_rows(found, out, defaults), found
+
+  def _upsert_rows(self, words, leaves, active, mode):
+    def op(shard, words, active, rows):
+      return shard._upsert_rows(words, rows, active, mode)
+
+    return self._routed(op, words, active, leaves)
+
+  def _apply_rows(self, words, leaves, active, fn):
+    def op(shard, words, active, rows):
+      return shard._apply_rows(words, rows, active, fn), []
+
+    return self._routed(op, words, active, leaves)[0]
+
+  def _remove_rows(self, words, active):
+    def op(shard, words, active, rows):
+      del rows
+      return shard._remove_rows(words, active), []
+
+    return self._routed(op, words, active, [])[0]
+
+  def _compact(self):
+    words, leaves, valid = self._compact_shards()
+    rows = words.shape[0] * words.shape[1]
+    order = jnp.argsort(~valid.reshape(-1), stable=True)  # live first, shard by shard
+    flat = [x.reshape(rows, *x.shape[2:])[order] for x in (words, *leaves)]
+    return flat[0], flat[1:], valid.reshape(-1)[order]
+
+  def _compact_shards(self):
+    """``(words[S, C, W], leaves, valid[S, C])``: each shard's entries, live first."""
+    return jax.vmap(lambda shard: shard._compact())(self.shards)
+
+  def _live_by_shard(self):
+    words, leaves, valid = jax.device_get(jax.jit(ShardedTable._compact_shards)(self))
+    return [self._host_entries(words[s], [x[s] for x in leaves], valid[s]) for s in range(self.num_shards)]
+
+  # ----------------------------------------------------------- routing
+
+  def _routed(self, op, words, active, leaves):
+    """Runs ``op(shard, words, active, leaves) -> (shard, outputs)`` where each row's key lives.
+
+    Returns the new table and the per-row ``outputs`` in batch order.
+    """
+    num_shards, n = self.num_shards, words.shape[0]
+    per_device = -(-n // num_shards)
+    pad = per_device * num_shards - n
+    active = jnp.ones((n,), bool) if active is None else active
+
+    def padded(x):
+      return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+
+    def local(shards, words, active, leaves):
+      owner = owner_of(words, num_shards)
+      mine = owner[:, None] == jnp.arange(num_shards, dtype=jnp.int32)
+      rank = jnp.cumsum(mine, axis=0, dtype=jnp.int32)
+      position = jnp.take_along_axis(rank, owner[:, None], axis=1)[:, 0] - 1
+      cell = owner * per_device + position  # distinct for every row
+
+      def exchange(x):
+        """Rows to their owners' devices: [per_device] -> [num_shards * per_device]."""
+        buffer = jnp.zeros((num_shards * per_device, *x.shape[1:]), x.dtype)
+        buffer = buffer.at[cell].set(x, unique_indices=True)
+        return _all_to_all(buffer, self.axis, num_shards)
+
+      def reply(y):
+        """Per-row results back to the devices their rows came from."""
+        return _all_to_all(y, self.axis, num_shards)[cell]
+
+      shard = jax.tree.map(lambda x: x[0], shards)
+      shard, outputs = op(shard, exchange(words), exchange(active), [exchange(x) for x in leaves])
+      return jax.tree.map(lambda x: x[None], shard), [reply(y) for y in outputs]
+
+    spec = PartitionSpec(self.axis)
+    shards, outputs = jax.shard_map(
+      # The storages' loops start from constants; every value here is per device anyway.
+      local,
+      mesh=self.mesh,
+      in_specs=(spec, spec, spec, spec),
+      out_specs=(spec, spec),
+      check_vma=False,
+    )(self.shards, padded(words), padded(active), [padded(x) for x in leaves])
+    return dataclasses.replace(self, shards=shards), [y[:n] for y in outputs]
+
+
+def _stacked(build, mesh: Mesh, axis: str) -> Storage:
+  """One copy of the table ``build()`` per device along ``axis``, stacked and split over it."""
+  num_shards = mesh.shape[axis]
+
+  def stacked():
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_shards, *x.shape)), build())
+
+  return jax.jit(stacked, out_shardings=NamedSharding(mesh, PartitionSpec(axis)))()
+
+
+def _all_to_all(x, axis: str, num_shards: int):
+  """Block ``d`` of ``x`` (split into ``num_shards`` row blocks) goes to device ``d``."""
+  blocks = x.reshape(num_shards, x.shape[0] // num_shards, *x.shape[1:])
+  return lax.all_to_all(blocks, axis, 0, 0).reshape(x.shape)

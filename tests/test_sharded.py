@@ -1,0 +1,172 @@
+"""ShardedTable on fake CPU devices, against the dict oracle and unsharded tables."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from oracle import KINDS, DictTable, Sharded, entries, mesh_of, run_random_operations
+
+import jaxres as jr
+from jaxres._core.sharded import owner_of, shard_capacity_for
+
+_KINDS = {k.name: k for k in KINDS}
+_ROW = jax.ShapeDtypeStruct((2,), jnp.float32)
+
+
+@pytest.mark.parametrize(
+  ("storage", "kind"),
+  [(jr.OpenAddressingTable, "int64"), (jr.SortedTable, "pair_int32")],
+  ids=["OpenAddressingTable-int64", "SortedTable-pair_int32"],
+)
+def test_random_operations_match_dict(storage, kind):
+  kind = _KINDS[kind]
+  capacity = 256  # above the 240 keys drawn: no shard ever fills
+  table, model = kind.create(Sharded(storage), capacity), DictTable(kind, capacity)
+  run_random_operations(table, model, np.random.default_rng(7), steps=30)
+
+
+def _zipf_ids(rng, n):
+  """n 64-bit ids with Zipf frequencies (a few ids very hot, a long tail)."""
+  ranks = rng.zipf(1.3, size=n).astype(np.uint64)
+  return (ranks * np.uint64(0x9E3779B97F4A7C15)).view(np.int64)  # spread over the int64 range
+
+
+def _step(table, ids, counts):
+  """A training-style update: ids get rows, counts accumulate, every third id is forgotten."""
+  table, rows = table.find_or_insert(ids, jnp.zeros((ids.shape[0], 2), jnp.float32))
+  table = table.insert_or_apply(ids, jnp.stack([counts, counts], axis=1), jnp.add)
+  table = table.remove(ids[::3])
+  return table, rows, table.lookup(ids)
+
+
+@pytest.mark.parametrize("mesh_shape", [(3,), (2, 4)], ids=["3", "2x4"])
+def test_jitted_steps_match_an_unsharded_table(mesh_shape):
+  names = ("shard",) if len(mesh_shape) == 1 else ("replica", "shard")
+  mesh = jax.make_mesh(mesh_shape, names, devices=jax.devices()[: int(np.prod(mesh_shape))])
+  sharded = jr.ShardedTable.create(mesh, "shard", 256, key=jnp.int64, value=_ROW)
+  plain = jr.OpenAddressingTable.create(256, key=jnp.int64, value=_ROW)
+  traces = []
+  step = jax.jit(lambda *args: traces.append(1) or _step(*args))
+  rng = np.random.default_rng(0)
+  for _ in range(3):
+    ids = jr.keys.split64(_zipf_ids(rng, 50))  # word pairs: the x64-off form inside jit
+    counts = jnp.asarray(rng.integers(1, 5, 50), jnp.float32)
+    sharded, *got = step(sharded, ids, counts)
+    plain, *want = step(plain, ids, counts)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert entries(sharded) == entries(plain)
+  assert int(sharded.size) == int(plain.size) == int(np.sum(sharded.size_per_shard))
+  assert len(traces) == 2  # one per table type: later steps reuse the first compile
+
+
+def test_full_shards_count_their_dropped_keys():
+  keys = np.arange(1000, 1064, dtype=np.int32)
+  empty = jr.ShardedTable.create(mesh_of(8), "shard", 16, key=jnp.int32, value=jnp.int32, shard_capacity=2)
+  table = empty.insert(keys, keys)
+  # Oracle: per shard, a loop admits that shard's first two keys in batch order.
+  owner = np.asarray(owner_of(empty.key_spec.encode(keys)[0], 8))
+  admitted = {int(k) for s in range(8) for k in keys[owner == s][:2]}
+  dropped = [max(0, int(np.sum(owner == s)) - 2) for s in range(8)]
+  assert set(entries(table)) == {(k,) for k in admitted}
+  np.testing.assert_array_equal(table.dropped_per_shard, dropped)
+  assert int(table.dropped) == len(keys) - len(admitted)
+
+
+def test_a_zipf_stream_fits_the_sizing_rule():
+  rng = np.random.default_rng(1)
+  stream = _zipf_ids(rng, 8000)
+  distinct, counts = np.unique(stream, return_counts=True)
+  table = jr.ShardedTable.create(mesh_of(8), "shard", len(distinct), key=jnp.int64, value=jnp.int32)
+  assert table.shard_capacity == shard_capacity_for(len(distinct), 8)
+  add = jax.jit(lambda t, ids: t.insert_or_apply(ids, jnp.ones(ids.shape[0], jnp.int32), jnp.add))
+  for batch in np.split(stream, 8):
+    table = add(table, jr.keys.split64(batch))
+  assert int(table.dropped) == 0 and int(table.size) == len(distinct)
+  assert int(np.max(table.size_per_shard)) <= table.shard_capacity
+  np.testing.assert_array_equal(table.find(distinct), counts)
+
+
+def test_shard_capacity_rule():
+  assert shard_capacity_for(8_000, 8) == 1_190  # mean 1000 + 6 standard deviations (sqrt 1000)
+  assert shard_capacity_for(4, 2) == 4  # never above the total
+  assert shard_capacity_for(1 << 30, 1) == 1 << 30
+
+
+def test_checkpoint_round_trip_8_4_8_devices(tmp_path):
+  rng = np.random.default_rng(2)
+  keys = rng.integers(-(2**62), 2**62, 300, dtype=np.int64)
+  rows = rng.normal(size=(300, 2)).astype(np.float32)
+
+  def fresh(num_devices):
+    return jr.ShardedTable.create(mesh_of(num_devices), "shard", 400, key=jnp.int64, value=_ROW)
+
+  root = jr.AutoTrackable()
+  root.table = fresh(8).insert(keys, rows)
+  before = entries(root.table)
+  jr.Checkpoint(model=root).save(tmp_path / "on8")
+  (node,) = [e for e in jr.inspect_checkpoint(tmp_path / "on8") if e["path"] == "model/table"]
+  assert sum(a["shape"][0] for a in node["arrays"] if a["name"].endswith("keys")) == 300  # live only
+
+  on4 = jr.AutoTrackable()
+  on4.table = fresh(4)
+  jr.Checkpoint(model=on4).restore(tmp_path / "on8").assert_consumed()
+  assert on4.table.num_shards == 4 and entries(on4.table) == before
+  jr.Checkpoint(model=on4).save(tmp_path / "on4")
+
+  deferred = jr.AutoTrackable()
+  status = jr.Checkpoint(model=deferred).restore(tmp_path / "on4")
+  assert status.pending == ["model/table"]
+  deferred.table = fresh(8)  # restored on attach, re-partitioned over 8 devices
+  status.assert_consumed()
+  assert entries(deferred.table) == before  # nothing lost, nothing duplicated
+  np.testing.assert_array_equal(deferred.table.size_per_shard, root.table.size_per_shard)
+
+  unsharded = jr.AutoTrackable()
+  unsharded.table = jr.SortedTable.create(300, key=jnp.int64, value=_ROW)
+  jr.Checkpoint(model=unsharded).restore(tmp_path / "on4").assert_consumed()
+  assert entries(unsharded.table) == before
+
+
+def test_restoring_into_a_table_that_cannot_hold_it_changes_nothing(tmp_path):
+  root = jr.AutoTrackable()
+  root.table = jr.ShardedTable.create(mesh_of(8), "shard", 64, key=jnp.int32, value=jnp.float32)
+  root.table = root.table.insert(jnp.arange(40), jnp.ones(40))
+  jr.Checkpoint(model=root).save(tmp_path / "c")
+  small = jr.AutoTrackable()
+  small.table = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.float32)
+  with pytest.raises(ValueError, match="model/table: 40 entries do not fit"):
+    jr.Checkpoint(model=small).restore(tmp_path / "c")
+  assert int(small.table.size) == 0
+  other = jr.AutoTrackable()
+  other.table = jr.ShardedTable.create(mesh_of(8), "shard", 64, key=jnp.int64, value=jnp.float32)
+  with pytest.raises(ValueError, match="model/table: the checkpoint holds a table of"):
+    jr.Checkpoint(model=other).restore(tmp_path / "c")
+  assert int(other.table.size) == 0
+
+
+def test_bad_arguments_are_clear_errors():
+  mesh = mesh_of(8)
+  with pytest.raises(TypeError, match=r"mesh: expected a jax\.sharding\.Mesh"):
+    jr.ShardedTable.create(jax.devices(), "shard", 16, key=jnp.int32, value=jnp.float32)
+  with pytest.raises(ValueError, match="axis: 'rows' is not an axis"):
+    jr.ShardedTable.create(mesh, "rows", 16, key=jnp.int32, value=jnp.float32)
+  with pytest.raises(TypeError, match="storage: expected"):
+    jr.ShardedTable.create(mesh, "shard", 16, key=jnp.int32, value=jnp.float32, storage=dict)
+  with pytest.raises(ValueError, match="shard_capacity"):
+    jr.ShardedTable.create(mesh, "shard", 16, key=jnp.int32, value=jnp.float32, shard_capacity=0)
+  table = jr.ShardedTable.create(mesh, "shard", 16, key=jnp.int64, value=jnp.float32)
+  table = table.insert(np.array([2**40]), np.array([1.0], np.float32))
+  with pytest.raises(TypeError, match="keys"):
+    table.insert(jnp.array([1], jnp.int32), jnp.array([2.0]))  # a truncated 64-bit key
+  assert entries(table) == {(2**40,): [1.0]}
+
+
+def test_scalars_empty_batches_and_dynamic_defaults():
+  table = jr.ShardedTable.create(mesh_of(8), "shard", 16, key=jnp.int32, value=jnp.float32, default=-1.0)
+  assert table.insert(jnp.zeros((0,), jnp.int32), jnp.zeros((0,))) is table
+  table = table.insert(jnp.int32(5), jnp.float32(2.5))
+  assert float(table.find(jnp.int32(5))) == 2.5
+  assert table.find(jnp.array([[5, 6]])).tolist() == [[2.5, -1.0]]
+  assert table.find(jnp.array([5, 6]), default=jnp.array([9.0, 8.0])).tolist() == [2.5, 8.0]
+  assert table.contains(jnp.zeros((0,), jnp.int32)).shape == (0,)
