@@ -52,7 +52,7 @@ def shard_capacity_for(capacity: int, num_shards: int) -> int:
 
   Example:
     >>> shard_capacity_for(1 << 20, 8), shard_capacity_for(16, 8)
-    (133240, 11)
+    (133245, 11)
   """
   mean = capacity / num_shards
   return min(capacity, math.ceil(mean + _HEADROOM_SIGMAS * math.sqrt(mean)))
