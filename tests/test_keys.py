@@ -87,21 +87,31 @@ def test_float64_values_follow_jax_precision():
   assert float(got[0]) == (0.1 if X64 else float(np.float32(0.1)))
 
 
-@pytest.mark.skipif(X64, reason="this is the launcher of the x64 run")
-def test_x64_suite():
-  """The 64-bit tests again, in a process with jax_enable_x64 on."""
-  here = os.path.dirname(__file__)
-  env = {**os.environ, "JAX_ENABLE_X64": "1"}
-  selection = [
+# The 64-bit tests again, in two processes (so xdist can run them side by side).
+_X64_SELECTIONS = {
+  "tables": [
     "test_keys.py",
     "test_table.py::test_random_operations_match_dict",
     "test_mutable_table.py::test_seed_dtype_combinations",
     "test_static_tables.py::test_vocabulary_with_integer_keys_inside_jit",
+    "test_sharded.py::test_random_operations_match_dict",
+  ],
+  "training": [
     "test_examples.py::test_rows_follow_first_occurrence_and_full_table_policy",
     "test_examples.py::test_restart_with_deferred_restore_continues_bitwise",
-    "test_sharded.py::test_random_operations_match_dict",
     "test_sharded.py::test_checkpoint_round_trip_8_4_8_devices",
-  ]
+  ],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(X64, reason="this is the launcher of the x64 run")
+@pytest.mark.parametrize("group", sorted(_X64_SELECTIONS))
+def test_x64_suite(group):
+  """The 64-bit tests again, in a process with jax_enable_x64 on."""
+  here = os.path.dirname(__file__)
+  env = {**os.environ, "JAX_ENABLE_X64": "1"}
+  selection = _X64_SELECTIONS[group]
   cmd = [
     sys.executable,
     "-m",

@@ -105,5 +105,5 @@ for _storage in STORAGES:
 
 # Sharded over 8 devices; the capacities exceed the 10 keys drawn, so no shard fills.
 TestShardedOpenAddressingTable_int64 = machine_for(
-  Sharded(jr.OpenAddressingTable), _KINDS["int64"], capacities=(12, 16), max_examples=10
+  Sharded(jr.OpenAddressingTable), _KINDS["int64"], capacities=(12, 16), max_examples=5
 ).TestCase
