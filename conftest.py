@@ -37,3 +37,8 @@ def _mapped_regions() -> int:
 def pytest_runtest_teardown(item):
   if _MAP_LIMIT is not None and _mapped_regions() > _MAP_LIMIT * 3 // 4:
     jax.clear_caches()
+
+
+def pytest_collection_modifyitems(items):
+  """Tests marked ``slow`` first: under xdist, a long test started last would run alone."""
+  items.sort(key=lambda item: item.get_closest_marker("slow") is None)

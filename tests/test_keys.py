@@ -94,7 +94,6 @@ _X64_SELECTIONS = {
     "test_table.py::test_random_operations_match_dict",
     "test_mutable_table.py::test_seed_dtype_combinations",
     "test_static_tables.py::test_vocabulary_with_integer_keys_inside_jit",
-    "test_sharded.py::test_random_operations_match_dict",
   ],
   "training": [
     "test_examples.py::test_rows_follow_first_occurrence_and_full_table_policy",

@@ -105,6 +105,7 @@ def test_pytree_values_and_lookup():
   assert found.tolist() == [True, False]
 
 
+@pytest.mark.slow
 def test_eight_threads_lose_no_update():
   table = jr.MutableHashTable(np.int64, np.int64, default_value=-1, initial_capacity=8)
   barrier = threading.Barrier(8)

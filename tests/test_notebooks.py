@@ -14,6 +14,7 @@ def test_there_are_notebooks():
   assert NOTEBOOKS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs(path):
   notebook = nbformat.read(path, as_version=4)

@@ -104,6 +104,6 @@ for _storage in STORAGES:
     globals()[_name] = machine_for(_storage, _KINDS[_kind]).TestCase
 
 # Sharded over 8 devices; the capacities exceed the 10 keys drawn, so no shard fills.
-TestShardedOpenAddressingTable_int64 = machine_for(
-  Sharded(jr.OpenAddressingTable), _KINDS["int64"], capacities=(12, 16), max_examples=5
-).TestCase
+TestShardedOpenAddressingTable_int64 = pytest.mark.slow(
+  machine_for(Sharded(jr.OpenAddressingTable), _KINDS["int64"], capacities=(12, 16), max_examples=5).TestCase
+)
