@@ -58,39 +58,8 @@ def all_to_all_bytes(hlo: str) -> int:
   return total
 
 
-def run_one(num_devices: int, batches, capacity: int, reference: dict) -> dict:
-  mesh = jax.make_mesh((num_devices,), ("shard",), devices=jax.devices()[:num_devices])
-  value = jax.ShapeDtypeStruct((WIDTH,), jnp.float32)
-  table = jr.ShardedTable.create(mesh, "shard", capacity, key=jnp.int64, value=value)
-  jitted = jax.jit(step)
-  hlo = jitted.lower(table, *batches[0]).compile().as_text()
-  # The block a device keeps for itself does not cross a link.
-  moved = all_to_all_bytes(hlo) * (num_devices - 1) / num_devices * num_devices
-  times, outputs = [], []
-  for ids, counts in batches:
-    start = time.perf_counter()
-    table, rows = jitted(table, ids, counts)
-    rows.block_until_ready()
-    times.append(time.perf_counter() - start)
-    outputs.append(np.asarray(rows))
-  equal = all(np.array_equal(a, b) for a, b in zip(outputs, reference["rows"]))
-  keys, values, valid = jax.device_get(table.export())
-  live = np.asarray(valid)
-  got = dict(zip(np.asarray(keys)[live].tolist(), map(tuple, np.asarray(values)[live].tolist())))
-  sizes = np.asarray(table.size_per_shard)
-  return {
-    "shard capacity": table.shard_capacity,
-    "entries per shard (min-max)": f"{sizes.min():,}-{sizes.max():,}",
-    "dropped": int(table.dropped),
-    "bytes moved per key": moved / batches[0][0].shape[0],
-    "step ms (median)": 1e3 * float(np.median(times[1:])),
-    "equals unsharded": equal and got == reference["entries"],
-  }
-
-
-def reference_run(batches, capacity: int) -> dict:
-  value = jax.ShapeDtypeStruct((WIDTH,), jnp.float32)
-  table = jr.OpenAddressingTable.create(capacity, key=jnp.int64, value=value)
+def run_steps(table, batches) -> dict:
+  """Runs the jitted step over ``batches``: the per-step rows, final entries and median time."""
   jitted, rows, times = jax.jit(step), [], []
   for ids, counts in batches:
     start = time.perf_counter()
@@ -101,7 +70,28 @@ def reference_run(batches, capacity: int) -> dict:
   keys, values, valid = jax.device_get(table.export())
   live = np.asarray(valid)
   entries = dict(zip(np.asarray(keys)[live].tolist(), map(tuple, np.asarray(values)[live].tolist())))
-  return {"rows": rows, "entries": entries, "step ms": 1e3 * float(np.median(times[1:]))}
+  return {"table": table, "rows": rows, "entries": entries, "step ms": 1e3 * float(np.median(times[1:]))}
+
+
+def run_one(num_devices: int, batches, capacity: int, reference: dict) -> dict:
+  mesh = jax.make_mesh((num_devices,), ("shard",), devices=jax.devices()[:num_devices])
+  value = jax.ShapeDtypeStruct((WIDTH,), jnp.float32)
+  table = jr.ShardedTable.create(mesh, "shard", capacity, key=jnp.int64, value=value)
+  hlo = jax.jit(step).lower(table, *batches[0]).compile().as_text()
+  # Each device receives all_to_all_bytes, of which the block from itself crosses no
+  # link: (d - 1) / d of it, on each of the d devices.
+  moved = all_to_all_bytes(hlo) * (num_devices - 1)
+  run = run_steps(table, batches)
+  sizes = np.asarray(run["table"].size_per_shard)
+  same_rows = all(np.array_equal(a, b) for a, b in zip(run["rows"], reference["rows"], strict=True))
+  return {
+    "shard capacity": table.shard_capacity,
+    "entries per shard (min-max)": f"{sizes.min():,}-{sizes.max():,}",
+    "dropped": int(run["table"].dropped),
+    "bytes moved per key": moved / batches[0][0].shape[0],
+    "step ms (median)": run["step ms"],
+    "equals unsharded": same_rows and run["entries"] == reference["entries"],
+  }
 
 
 def report(results: dict, reference_ms: float, batch: int, capacity: int, steps: int) -> str:
@@ -137,7 +127,8 @@ def main(argv=None) -> None:
     (jr.keys.split64(zipf_ids(rng, args.batch)), jnp.asarray(rng.integers(1, 5, args.batch), jnp.float32))
     for _ in range(args.steps)
   ]
-  reference = reference_run(batches, args.capacity)
+  value = jax.ShapeDtypeStruct((WIDTH,), jnp.float32)
+  reference = run_steps(jr.OpenAddressingTable.create(args.capacity, key=jnp.int64, value=value), batches)
   results = {d: run_one(d, batches, args.capacity, reference) for d in DEVICES}
   text = report(results, reference["step ms"], args.batch, args.capacity, args.steps)
   print(text)
