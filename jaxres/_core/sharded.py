@@ -136,7 +136,7 @@ class ShardedTable(Table):
     if shard_capacity is None:
       shard_capacity = shard_capacity_for(capacity, num_shards)
     shard_capacity = check_capacity(shard_capacity, "shard_capacity")
-    one = storage.create(shard_capacity, key, value, default, **options)
+    one = storage.create(1, key, value, default, **options)  # checks the arguments; specs and default
     return cls(
       shards=_stacked(lambda: storage.create(shard_capacity, key, value, default, **options), mesh, axis),
       default=jax.device_put(one.default, NamedSharding(mesh, PartitionSpec())),  # as jit returns it
