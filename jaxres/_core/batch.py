@@ -80,7 +80,7 @@ def admit(words: jax.Array, new: jax.Array, room: jax.Array) -> tuple[jax.Array,
 
   Args:
     words: uint32[N, W] key rows in batch order.
-    new: bool[N], rows whose key is not in the table.
+    new: bool[N], rows whose key is not in the table (and that are not masked out).
     room: int32 scalar, free capacity.
 
   Returns:
@@ -88,8 +88,8 @@ def admit(words: jax.Array, new: jax.Array, room: jax.Array) -> tuple[jax.Array,
     key is among the first ``room`` distinct new keys (by first occurrence),
     and the number of distinct new keys left out.
   """
-  groups = group(words)
-  heads = groups.head & new[groups.perm]
+  groups = group(words, new)  # a key's group starts at its first new row
+  heads = groups.head & groups.active
   admitted_heads = heads & (first_occurrence_rank(groups, heads) < room)
   dropped = jnp.sum(heads, dtype=jnp.int32) - jnp.sum(admitted_heads, dtype=jnp.int32)
   return unsort(groups, admitted_heads[groups.start]), dropped

@@ -144,10 +144,10 @@ def _exact_reduction(fn, value_spec) -> str | None:
   return reduction if integral else None
 
 
-def update_existing(table: Table, leaves, slot, mode: str) -> tuple[Table, list]:
-  """insert / find_or_insert when every key is present: no grouping by sorting."""
+def update_existing(table: Table, leaves, slot, active, mode: str) -> tuple[Table, list]:
+  """insert / find_or_insert when every active key is present: no grouping by sorting."""
   if mode == "insert":
-    last = claims.first_per_slot(slot, jnp.ones(slot.shape, bool), last=True)
+    last = claims.first_per_slot(slot, jnp.ones(slot.shape, bool) if active is None else active, last=True)
     return table._write(slot, leaves, last), []
   return table, take_rows(table.values, slot)
 

@@ -20,7 +20,7 @@ probe order, wrapping) that had a free slot when it was inserted.
   updates claim with reversed priority. The scratch is sized by the batch, so
   per-call work is O(batch) and never touches the whole capacity.
 * **Exact when full.** When a batch might not fit, the sort-based reference
-  algorithm (:func:`table.exact_upsert`) admits new keys in batch order.
+  admission (:func:`batch.admit`) takes new keys in batch order.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from jax import lax
 from jaxres._core import batch as batch_lib
 from jaxres._core import claims, codec
 from jaxres._core.hashing import hash_words
-from jaxres._core.kernels import exact_upsert, select_rows, take_rows
+from jaxres._core.kernels import select_rows, take_rows
 from jaxres._core.table import Storage, check_capacity, empty_fields, pytree_dataclass, static_field
 from jaxres._core.values import ValueSpec
 
@@ -227,16 +227,17 @@ class OpenAddressingTable(Storage):
     return table._write(slot, rows, admitted)
 
   def _upsert_rows(self, words, leaves, active, mode):
-    if active is not None:
-      return exact_upsert(self, words, leaves, active, mode)
     found, slot = self._locate(words)
+    new = ~found
+    if active is not None:  # masked rows neither update nor insert
+      found, new = found & active, new & active
     room = self.capacity - self.size
     # Only a batch that may not fit needs the (sorting) exact admission. The
     # cond returns a row mask, never the table, so the table is not copied.
     admitted, dropped = lax.cond(
-      jnp.sum(~found, dtype=jnp.int32) <= room,
-      lambda: (~found, jnp.int32(0)),
-      lambda: batch_lib.admit(words, ~found, room),
+      jnp.sum(new, dtype=jnp.int32) <= room,
+      lambda: (new, jnp.int32(0)),
+      lambda: batch_lib.admit(words, new, room),
     )
     table, out = _claim_upsert(self, words, leaves, found, slot, admitted, mode)
     return dataclasses.replace(table, dropped=table.dropped + dropped), out

@@ -115,13 +115,11 @@ class SortedTable(Storage):
     return lax.cond(jnp.any(fresh), _merge, lambda t, *_: t, table, groups.words, rows, fresh, position)
 
   def _upsert_rows(self, words, leaves, active, mode):
-    if active is not None:
-      return exact_upsert(self, words, leaves, active, mode)
     found, slot = self._locate(words)
     # Updating present keys needs no sorting; only new keys are merged in order.
-    update = functools.partial(update_existing, leaves=leaves, slot=slot, mode=mode)
-    merge = functools.partial(exact_upsert, words=words, leaves=leaves, active=None, mode=mode)
-    return lax.cond(jnp.all(found), update, merge, self)
+    update = functools.partial(update_existing, leaves=leaves, slot=slot, active=active, mode=mode)
+    merge = functools.partial(exact_upsert, words=words, leaves=leaves, active=active, mode=mode)
+    return lax.cond(jnp.all(found if active is None else found | ~active), update, merge, self)
 
   def _release(self, words, slot, mask):
     live = self.live.at[jnp.where(mask, slot, self.capacity)].set(False, mode="drop")

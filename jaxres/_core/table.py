@@ -36,6 +36,7 @@ from jaxres._core import codec, display, kernels
 from jaxres._core.values import ValueSpec
 
 _MAX_CAPACITY = 2**30
+_MIN_EAGER_ROWS = 8  # eager batches are padded to a power of two of at least this many rows
 
 
 def pytree_dataclass(cls):
@@ -131,6 +132,26 @@ class Table(abc.ABC):
       raise ValueError(f"valid: expected bool{list(batch)}, got {active.dtype}{list(active.shape)}.")
     return active.reshape(-1)
 
+  def _padded(self, words, leaves, active):
+    """Eager batches padded to a power of two (>= 8 rows), the padding masked.
+
+    Each new batch shape compiles a new executable, and on XLA:CPU each one
+    holds hundreds of memory mappings; padding bounds eager calls to a few
+    shapes. Under ``jit`` the caller's shapes are kept.
+
+    Returns ``(words, leaves, active, n)`` with ``n`` the rows before padding.
+    """
+    n = words.shape[0]
+    size = max(_MIN_EAGER_ROWS, 1 << (n - 1).bit_length())
+    if size == n or codec.is_traced(words):
+      return words, leaves, active, n
+
+    def pad(x):
+      return jnp.pad(x, [(0, size - n)] + [(0, 0)] * (x.ndim - 1))
+
+    active = jnp.arange(size) < n if active is None else pad(active)
+    return pad(words), [pad(x) for x in leaves], active, n
+
   def _empty_result(self, batch):
     return self._output([x.reshape((0, *x.shape[len(batch) :])) for x in self._default(None, batch)], batch)
 
@@ -178,17 +199,18 @@ class Table(abc.ABC):
     words, batch = self._keys(keys)
     if not words.shape[0]:
       return jnp.zeros(batch, bool)
-    return kernels.contains(self, words).reshape(batch)
+    words, _, _, n = self._padded(words, [], None)
+    return kernels.contains(self, words)[:n].reshape(batch)
 
   def _lookup(self, keys, default):
     words, batch = self._keys(keys)
     defaults = self._default(default, batch)
     if not words.shape[0]:
       return self._empty_result(batch), jnp.zeros(batch, bool)
-    n = words.shape[0]
-    flat_defaults = [d.reshape((n, *d.shape[len(batch) :])) for d in defaults]
+    flat_defaults = [d.reshape((words.shape[0], *d.shape[len(batch) :])) for d in defaults]
+    words, flat_defaults, _, n = self._padded(words, flat_defaults, None)
     leaves, found = kernels.lookup(self, words, flat_defaults)
-    return self._output(leaves, batch), found.reshape(batch)
+    return self._output([x[:n] for x in leaves], batch), found[:n].reshape(batch)
 
   # ----------------------------------------------------------- mutations
 
@@ -213,7 +235,7 @@ class Table(abc.ABC):
     active = self._active(valid, batch)
     if not words.shape[0]:
       return self
-    return kernels.upsert(self, words, leaves, active, mode="insert")[0]
+    return kernels.upsert(self, *self._padded(words, leaves, active)[:3], mode="insert")[0]
 
   def find_or_insert(self, keys, values, valid=None) -> tuple[Table, Any]:
     """Returns existing values and inserts the missing keys with ``values``.
@@ -243,9 +265,11 @@ class Table(abc.ABC):
     active = self._active(valid, batch)
     if not words.shape[0]:
       return self, self._empty_result(batch)
-    table, out = kernels.upsert(self, words, leaves, active, mode="first")
+    padded_words, padded_leaves, padded_active, n = self._padded(words, leaves, active)
+    table, out = kernels.upsert(self, padded_words, padded_leaves, padded_active, mode="first")
+    out = [x[:n] for x in out]
     if active is not None:
-      out = kernels.select_rows(active, out, self._default(None, (words.shape[0],)))
+      out = kernels.select_rows(active, out, self._default(None, (n,)))
     return table, self._output(out, batch)
 
   def insert_or_apply(self, keys, values, fn: Callable, valid=None) -> Table:
@@ -279,7 +303,7 @@ class Table(abc.ABC):
     if not words.shape[0]:
       return self
     self._check_fn(fn)
-    return kernels.apply(self, words, leaves, active, fn=fn)
+    return kernels.apply(self, *self._padded(words, leaves, active)[:3], fn=fn)
 
   def _check_fn(self, fn):
     entry = [jax.ShapeDtypeStruct(s.storage_shape, s.storage_dtype) for s in self.value_spec.leaves]
@@ -305,6 +329,7 @@ class Table(abc.ABC):
     active = self._active(valid, batch)
     if not words.shape[0]:
       return self
+    words, _, active, _ = self._padded(words, [], active)
     return kernels.remove(self, words, active)
 
   # ------------------------------------------------------ whole contents
@@ -338,7 +363,7 @@ class Table(abc.ABC):
     empty = self._cleared()
     if not words.shape[0]:
       return empty
-    return kernels.upsert(empty, words, leaves, active, mode="insert")[0]
+    return kernels.upsert(empty, *self._padded(words, leaves, active)[:3], mode="insert")[0]
 
   def resize(self, capacity: int) -> Table:
     """The same contents in a table of another ``capacity`` (static).
@@ -373,7 +398,7 @@ class Table(abc.ABC):
     leaves = self._values(values, batch, f"{name}: values")
     table = self._cleared()
     if words.shape[0]:
-      table = kernels.upsert(table, words, leaves, None, mode="insert")[0]
+      table = kernels.upsert(table, *self._padded(words, leaves, None)[:3], mode="insert")[0]
     if int(table.dropped):
       raise ValueError(
         f"{name}: {words.shape[0]} entries do not fit a table of capacity {self.capacity} "
