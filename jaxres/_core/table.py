@@ -142,13 +142,14 @@ class Table(abc.ABC):
     Returns ``(words, leaves, active, n)`` with ``n`` the rows before padding.
     """
     n = words.shape[0]
-    size = max(_MIN_EAGER_ROWS, 1 << (n - 1).bit_length())
-    if size == n or codec.is_traced(words):
+    if codec.is_traced(words):
       return words, leaves, active, n
+    size = max(_MIN_EAGER_ROWS, 1 << (n - 1).bit_length())
 
     def pad(x):
-      return jnp.pad(x, [(0, size - n)] + [(0, 0)] * (x.ndim - 1))
+      return x if size == n else jnp.pad(x, [(0, size - n)] + [(0, 0)] * (x.ndim - 1))
 
+    # Always a mask, so padded and unpadded batches of one size share a compile.
     active = jnp.arange(size) < n if active is None else pad(active)
     return pad(words), [pad(x) for x in leaves], active, n
 
