@@ -101,4 +101,14 @@ def decode_strings(rows):
     raise TypeError(
       "rows: strings can only be decoded outside jit; return the rows and decode them afterwards."
     )
-  return strings.decode(np.asarray(rows))
+  rows = np.asarray(rows)
+  if rows.dtype != np.uint32 or rows.ndim < 1 or rows.shape[-1] < 2:
+    raise TypeError(
+      f"rows: expected uint32[..., width] rows from encode_strings, got {rows.dtype}{list(rows.shape)}."
+    )
+  if rows.size and int(rows[..., -1].max()) > 4 * (rows.shape[-1] - 1):
+    raise ValueError("rows: a length word exceeds the row's width; these are not encoded strings.")
+  try:
+    return strings.decode(rows)
+  except UnicodeDecodeError as err:
+    raise ValueError(f"rows: not encoded strings ({err}).") from None

@@ -120,7 +120,7 @@ class DictTable:
 
   def _keys(self, keys):
     arr = np.asarray(keys).reshape((-1, *self.kind.key_shape))
-    return [_key(row) for row in arr]
+    return [tuple(row) for row in arr.reshape(arr.shape[0], -1).tolist()]
 
   def insert(self, keys, values):
     ks = self._keys(keys)

@@ -59,6 +59,35 @@ def lowest_writer(cells: jax.Array, mask: jax.Array, size: int) -> jax.Array:
   return jnp.minimum(scratch[cells], cells.shape[0] - 1)
 
 
+def owner_per_slot(slot: jax.Array, mask: jax.Array, last: bool = False) -> jax.Array:
+  """int32[N]: for each masked row, the first (or ``last``) masked row with its ``slot``.
+
+  Unmasked rows get their own index.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> slot, mask = jnp.array([4, 9, 4, 4]), jnp.array([True, True, True, False])
+    >>> owner_per_slot(slot, mask).tolist(), owner_per_slot(slot, mask, last=True).tolist()
+    ([0, 1, 0, 3], [2, 1, 2, 3])
+  """
+  n = slot.shape[0]
+  size = scratch_size(n)
+  order = jnp.arange(n, dtype=jnp.int32)
+  rows = order[::-1] if last else order  # claim priority: position in `rows`
+  ranked_slot, ranked_mask = slot[rows], mask[rows]
+
+  def body(state):
+    # Rows of one slot share its cell, so they settle together, on the lowest of them.
+    rounds, pending, owner = state
+    writer = lowest_writer(cell_of(ranked_slot, rounds, size), pending, size)
+    settled = pending & (ranked_slot[writer] == ranked_slot)
+    return rounds + 1, pending & ~settled, jnp.where(settled, writer, owner)
+
+  state = (jnp.int32(0), ranked_mask, order)
+  _, _, owner = lax.while_loop(lambda s: jnp.any(s[1]), body, state)
+  return rows[owner[rows]]  # `rows` is its own inverse
+
+
 def first_per_slot(slot: jax.Array, mask: jax.Array, last: bool = False) -> jax.Array:
   """bool[N]: the first (or ``last``) masked row of each distinct ``slot``.
 
@@ -68,18 +97,4 @@ def first_per_slot(slot: jax.Array, mask: jax.Array, last: bool = False) -> jax.
     >>> first_per_slot(slot, mask).tolist(), first_per_slot(slot, mask, last=True).tolist()
     ([True, True, False, False], [False, True, True, False])
   """
-  n = slot.shape[0]
-  size = scratch_size(n)
-  order = jnp.arange(n, dtype=jnp.int32)
-  rows = order[::-1] if last else order  # claim priority: position in `rows`
-  ranked_slot, ranked_mask = slot[rows], mask[rows]
-
-  def body(state):
-    rounds, pending, won = state
-    owner = lowest_writer(cell_of(ranked_slot, rounds, size), pending, size)
-    settled = pending & (ranked_slot[owner] == ranked_slot)
-    return rounds + 1, pending & ~settled, won | (settled & (owner == order))
-
-  state = (jnp.int32(0), ranked_mask, jnp.zeros(n, bool))
-  _, _, won = lax.while_loop(lambda s: jnp.any(s[1]), body, state)
-  return won[rows]
+  return mask & (owner_per_slot(slot, mask, last) == jnp.arange(slot.shape[0], dtype=jnp.int32))

@@ -96,7 +96,10 @@ def _describe(x) -> str:
 
 def host_integers(x, dtype: np.dtype, name: str) -> np.ndarray:
   """Python ints (or nested lists of them) -> NumPy ``dtype``, range-checked."""
-  arr = np.asarray(x)
+  try:
+    arr = np.asarray(x)
+  except ValueError as err:  # ragged nested lists
+    raise ValueError(f"{name}: not a rectangular array ({err}).") from None
   if arr.size == 0 and arr.dtype.kind == "f":  # `[]` parses as float64
     return arr.astype(dtype)
   if arr.dtype.kind not in "iu" or arr.dtype == np.bool_:
@@ -130,6 +133,8 @@ class KeySpec:
 
   @classmethod
   def parse(cls, key) -> KeySpec:
+    if key is None:  # np.dtype(None) would be float64
+      raise TypeError("key: expected an integer dtype or jax.ShapeDtypeStruct, got None.")
     if isinstance(key, jax.ShapeDtypeStruct):
       dtype, shape = np.dtype(key.dtype), tuple(key.shape)
     else:

@@ -272,12 +272,25 @@ def _claim_upsert(table: OpenAddressingTable, words, leaves, found, slot, admitt
   # lost claims); equal keys make the same choice and so meet on one slot.
   lane = (hash_words(words, seed=1) * _LANE_MIX) >> 16
 
-  def claim_round(state, rows, target):
+  def claim_round(state, rows, target, later: bool):
     """One round for the rows ``rows`` (``target``: the same, for scatters)."""
     rounds, flat, bucket, slot, first, pending = state
     position = jnp.arange(rows.shape[0], dtype=jnp.int32)
     active, current, row_words = pending[rows] & (target < n), bucket[rows], words[rows]
-    free = ~table._occupancy(flat[table._column(current, table._mask_column)])
+    placed = jnp.zeros_like(active)
+    if later:
+      # An equal key of an earlier chunk may have been placed since: these
+      # rows follow the same buckets, so they find it in the current one.
+      record = flat[table._column(current, 0)[:, None] + jnp.arange(table._mask_column + 1)]
+      keys = record[:, : table._mask_column].reshape(-1, size, row_words.shape[1])
+      match = table._occupancy(record[:, -1]) & jnp.all(keys == row_words[:, None, :], axis=-1)
+      placed = active & jnp.any(match, axis=-1)
+      placed_slot = current * size + jnp.argmax(match, axis=-1).astype(jnp.int32)
+      active = active & ~placed
+      masks = record[:, -1]
+    else:
+      masks = flat[table._column(current, table._mask_column)]
+    free = ~table._occupancy(masks)
     num_free = jnp.sum(free, axis=-1, dtype=jnp.int32)
     full = num_free == 0
     choice = (lane[rows] % jnp.maximum(num_free, 1).astype(jnp.uint32)).astype(jnp.int32)
@@ -289,25 +302,31 @@ def _claim_upsert(table: OpenAddressingTable, words, leaves, found, slot, admitt
     same_slot = trying & (candidate[winner] == candidate)
     won = same_slot & (winner == position)
     same_key = same_slot & ~won & jnp.all(row_words[winner] == row_words, axis=-1)
+    new_slot = jnp.where(won | same_key, candidate, slot[rows])
     return (
       rounds + 1,
       table._store(flat, candidate, row_words, won),
       bucket.at[target].set(
         jnp.where(active & full, (current + 1) % table.num_buckets, current), mode="drop"
       ),
-      slot.at[target].set(jnp.where(won | same_key, candidate, slot[rows]), mode="drop"),
-      first.at[target].set(jnp.where(same_key, rows[winner], first[rows]), mode="drop"),
+      slot.at[target].set(jnp.where(placed, placed_slot, new_slot) if later else new_slot, mode="drop"),
+      # -1: placed by an equal key whose row is not known here (resolved below).
+      first.at[target].set(
+        jnp.where(placed, -1, jnp.where(same_key, rows[winner], first[rows])), mode="drop"
+      ),
       pending.at[target].set(active & ~won & ~same_key, mode="drop"),
     )
 
   def later_round(state):
     # Few rows are left after the first round; take them a chunk at a time,
     # lowest batch index first, so a key's first occurrence always takes part.
-    return claim_round(state, *claims.pending_rows(state[-1], claims.chunk_size(n)))
+    return claim_round(state, *claims.pending_rows(state[-1], claims.chunk_size(n)), later=True)
 
   state = (jnp.int32(0), table.buckets.reshape(-1), home, slot, index, admitted)
-  state = claim_round(state, index, index)
+  state = claim_round(state, index, index, later=False)
   _, flat, _, slot, first, _ = lax.while_loop(lambda s: jnp.any(s[-1]), later_round, state)
+  # Rare: equal keys split over chunks. Each key's first row is then its slot's lowest row.
+  first = lax.cond(jnp.any(first < 0), lambda: claims.owner_per_slot(slot, admitted), lambda: first)
   new_head = admitted & (first == index)
   flat = table._shift_overflow(flat, home, slot, new_head, +1)
   table = dataclasses.replace(

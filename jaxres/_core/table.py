@@ -53,8 +53,9 @@ def static_field():
 
 
 def check_capacity(capacity, name: str = "capacity") -> int:
-  if isinstance(capacity, bool) or not isinstance(capacity, int):
+  if isinstance(capacity, (bool, np.bool_)) or not isinstance(capacity, (int, np.integer)):
     raise TypeError(f"{name}: expected a Python int, got {capacity!r} (it is static).")
+  capacity = int(capacity)
   if not 0 < capacity <= _MAX_CAPACITY:
     raise ValueError(f"{name}: expected 1 <= {name} <= {_MAX_CAPACITY}, got {capacity}.")
   return capacity

@@ -90,6 +90,8 @@ class ValueCodec(_Codec):
       self.name = "str"
       self.config = (self.name, self.max_length, _fingerprint(self.default))
       return
+    if value_dtype is None:  # np.dtype(None) would be float64
+      raise TypeError("value_dtype: expected a dtype, str or a pytree of dtypes, got None.")
     leaves, treedef = jax.tree.flatten(default_value)
     if not leaves:
       raise TypeError(f"default_value: expected a value or pytree of values, got {default_value!r}.")

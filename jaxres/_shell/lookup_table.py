@@ -11,7 +11,8 @@ import numpy as np
 from jaxres._core import codec, display
 from jaxres._core.open_addressing import OpenAddressingTable
 from jaxres._core.sorted_table import SortedTable
-from jaxres._core.table import check_capacity
+from jaxres._core.table import Table, check_capacity
+from jaxres._core.values import ValueSpec
 from jaxres._shell.codecs import KeyCodec, ValueCodec
 from jaxres._shell.resource import Resource
 
@@ -47,6 +48,20 @@ class LookupTable(Resource):
     self._key_codec = KeyCodec(key_dtype, max_key_length)
     self._value_codec = ValueCodec(value_dtype, default_value, max_value_length)
     self._initial_capacity = check_capacity(initial_capacity, "initial_capacity")
+
+  def _check_state(self, state) -> None:
+    key_spec = codec.KeySpec.parse(self._key_codec.spec)
+    value_spec = ValueSpec.parse(self._value_codec.spec)
+    if not (
+      isinstance(state, self._storage) and state.key_spec == key_spec and state.value_spec == value_spec
+    ):
+      got = type(state).__name__
+      if isinstance(state, Table):
+        got += f" with keys {state.key_spec} and values {state.value_spec}"
+      raise TypeError(
+        f"state: expected a table of type {self._storage.__name__} with keys {key_spec} and values "
+        f"{value_spec}, got {got}."
+      )
 
   def _empty(self, capacity: int):
     values = self._value_codec

@@ -56,6 +56,8 @@ class ResourceManager:
     key = (_check_name(container, "container"), _check_name(shared_name, "shared_name"))
     if not callable(create_fn):
       raise TypeError(f"create_fn: expected a callable, got {create_fn!r}.")
+    if verify_fn is not None and not callable(verify_fn):
+      raise TypeError(f"verify_fn: expected None or a callable, got {verify_fn!r}.")
     if shared_name == "":
       return create_fn()
     with self._lock:

@@ -6,6 +6,7 @@ import threading
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from jaxres._tracking.trackable import Trackable
@@ -109,6 +110,7 @@ class Resource(Trackable, nnx.Module):
   def state(self, value: Any) -> None:
     with self._life().lock:
       self.state  # noqa: B018  (creates and initializes first)
+      self._check_state(value)
       self._cell.set_value(self._place(value))
 
   def __setattr__(self, name: str, value: Any) -> None:
@@ -139,6 +141,12 @@ class Resource(Trackable, nnx.Module):
         self.destroy()
     finally:
       _LIFECYCLES.pop(id(self), None)
+
+  def _check_state(self, state) -> None:
+    """Raises ``TypeError`` for a state this resource cannot hold (a pytree of arrays here)."""
+    for leaf in jax.tree.leaves(state):
+      if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+        raise TypeError(f"state: expected a pytree of arrays, got a leaf {leaf!r}.")
 
   def _place(self, state):
     return state if self._device is None else jax.device_put(state, self._device)

@@ -7,10 +7,12 @@ import numpy as np
 
 from jaxres._core import codec
 from jaxres._core.hashing import hash_words
+from jaxres._shell.initializers import KeyValueInitializer, TextFileInitializer
 from jaxres._shell.lookup_table import LookupTable
 from jaxres._tracking.trackable import AutoTrackable
 
 _FINGERPRINT_SEED = 0x5EED
+_MAX_OOV_BUCKETS = 2**31 - 1
 
 
 def _longest(keys) -> int:
@@ -44,6 +46,10 @@ class StaticHashTable(LookupTable):
   def __init__(
     self, initializer, default_value, *, storage: str = "sorted", device=None, max_key_length=None
   ):
+    if not isinstance(initializer, (KeyValueInitializer, TextFileInitializer)):
+      raise TypeError(
+        f"initializer: expected a jr.KeyValueInitializer or jr.TextFileInitializer, got {initializer!r}."
+      )
     keys, values = initializer.read()
     if max_key_length is None:
       max_key_length = max(64, _longest(keys)) if initializer.key_dtype is str else 64
@@ -103,8 +109,12 @@ class StaticVocabularyTable(AutoTrackable):
   def __init__(
     self, initializer, num_oov_buckets: int, *, storage: str = "sorted", device=None, max_key_length=None
   ):
-    if isinstance(num_oov_buckets, bool) or not isinstance(num_oov_buckets, int) or num_oov_buckets < 1:
-      raise ValueError(f"num_oov_buckets: expected an int >= 1, got {num_oov_buckets!r}.")
+    if isinstance(num_oov_buckets, bool) or not isinstance(num_oov_buckets, (int, np.integer)):
+      raise TypeError(f"num_oov_buckets: expected an int, got {num_oov_buckets!r}.")
+    if not 1 <= num_oov_buckets <= _MAX_OOV_BUCKETS:  # bucket ids are computed in uint32
+      raise ValueError(
+        f"num_oov_buckets: expected 1 <= num_oov_buckets <= {_MAX_OOV_BUCKETS}, got {num_oov_buckets}."
+      )
     if initializer.value_dtype is str or np.dtype(initializer.value_dtype).kind not in "iu":
       raise TypeError(f"initializer: ids must be integers, got {initializer.value_dtype}.")
     self.table = StaticHashTable(

@@ -190,7 +190,7 @@ class Checkpoint(AutoTrackable):
   def save(self, path: str) -> str:
     """Writes the graph to the directory ``path`` (replacing it atomically); returns it."""
     manifest, arrays = self._collect()
-    path = os.path.abspath(os.fspath(path))
+    path = storage.absolute_path(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.saving-", dir=parent)
@@ -215,7 +215,7 @@ class Checkpoint(AutoTrackable):
       TypeError: an object is of another kind than the checkpoint holds at
         its path (nothing is restored then).
     """
-    directory = os.path.abspath(os.fspath(path))
+    directory = storage.absolute_path(path)
     manifest = read_manifest(directory)
     return self._apply(manifest, storage.load_arrays(directory, manifest["arrays"]), directory)
 

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
+from jaxres._tracking import storage
 from jaxres._tracking.checkpoint import read_manifest
 
 _ARRAY_FIELDS = ("value", "keys")
@@ -28,7 +27,7 @@ def inspect_checkpoint(path) -> list[dict]:
     >>> jr.inspect_checkpoint(path)[2]["arrays"]
     [{'name': 'value', 'shape': [], 'dtype': 'int32'}]
   """
-  manifest = read_manifest(os.path.abspath(os.fspath(path)))
+  manifest = read_manifest(storage.absolute_path(path))
   specs = manifest["arrays"]
   entries = []
   for node_path in sorted(manifest["nodes"]):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from jaxres._tracking.checkpoint import Checkpoint, LoadStatus, check_manifest
-from jaxres._tracking.storage import StepStore
+from jaxres._tracking.storage import StepStore, absolute_path
 
 
 class CheckpointManager:
@@ -45,7 +45,7 @@ class CheckpointManager:
       isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
     ):
       raise ValueError(f"max_to_keep: expected None or an int >= 1, got {max_to_keep!r}.")
-    self.directory = os.path.abspath(os.fspath(directory))
+    self.directory = absolute_path(directory, "directory")
     self.checkpoint = checkpoint
     self._store = StepStore(self.directory, max_to_keep)
 

@@ -16,6 +16,14 @@ import orbax.checkpoint as ocp
 ARRAYS_DIR = "arrays"
 
 
+def absolute_path(path, name: str = "path") -> str:
+  """A user's checkpoint location (str or os.PathLike) as an absolute path."""
+  try:
+    return os.path.abspath(os.fspath(path))
+  except TypeError:
+    raise TypeError(f"{name}: expected a str or os.PathLike, got {path!r}.") from None
+
+
 def spec_of(array: np.ndarray) -> dict:
   """The JSON description of an array entry."""
   return {"shape": list(array.shape), "dtype": str(array.dtype)}
