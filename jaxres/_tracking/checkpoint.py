@@ -1,7 +1,7 @@
 """``Checkpoint``: save an object graph to one directory, restore it, possibly later.
 
 A checkpoint directory holds ``manifest.json`` (format, version, one node per
-object path, the shape and dtype of every array) and the arrays, written by
+object path, the shape, dtype and checksum of every array) and the arrays, written by
 Orbax. Saving writes to a temporary directory and renames it into place, so
 an interrupted save never replaces a complete checkpoint.
 
@@ -14,6 +14,7 @@ queued.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -188,18 +189,27 @@ class Checkpoint(AutoTrackable):
     return self._root._trackable_children()
 
   def save(self, path: str) -> str:
-    """Writes the graph to the directory ``path`` (replacing it atomically); returns it."""
+    """Writes the graph to the directory ``path`` (replacing it atomically); returns it.
+
+    Raises:
+      OSError: the checkpoint could not be written (a full disk, say); a
+        checkpoint already at ``path`` is then left as it was.
+    """
     manifest, arrays = self._collect()
     path = storage.absolute_path(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
+    _recover(path)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.saving-", dir=parent)
     try:
-      storage.save_arrays(staging, arrays)
-      with open(os.path.join(staging, MANIFEST), "w", encoding="utf-8") as f:
-        json.dump(manifest, f)
-        f.flush()
-        os.fsync(f.fileno())
+      try:
+        storage.save_arrays(staging, arrays)
+        with open(os.path.join(staging, MANIFEST), "w", encoding="utf-8") as f:
+          json.dump(manifest, f)
+          f.flush()
+          os.fsync(f.fileno())
+      except Exception as err:  # Orbax reports write errors as ValueError
+        raise OSError(f"{path}: could not write the checkpoint, nothing was replaced ({err}).") from err
       _replace_dir(staging, path)
     except BaseException:
       shutil.rmtree(staging, ignore_errors=True)
@@ -216,6 +226,7 @@ class Checkpoint(AutoTrackable):
         its path (nothing is restored then).
     """
     directory = storage.absolute_path(path)
+    _recover(directory)
     manifest = read_manifest(directory)
     return self._apply(manifest, storage.load_arrays(directory, manifest["arrays"]), directory)
 
@@ -241,7 +252,7 @@ class Checkpoint(AutoTrackable):
 
 
 def _replace_dir(staging: str, path: str) -> None:
-  """Moves ``staging`` to ``path``; an existing ``path`` is swapped out first."""
+  """Moves ``staging`` to ``path``; an existing ``path`` is retired first (see :func:`_recover`)."""
   if not os.path.exists(path):
     os.rename(staging, path)
     return
@@ -249,3 +260,16 @@ def _replace_dir(staging: str, path: str) -> None:
   os.rename(path, os.path.join(retired, "checkpoint"))
   os.rename(staging, path)
   shutil.rmtree(retired, ignore_errors=True)
+
+
+def _recover(path: str) -> None:
+  """Puts back the checkpoint that a save killed between its two renames had retired."""
+  if os.path.exists(path):
+    return
+  parent, name = os.path.split(path)
+  for retired in sorted(glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.old-*"))):
+    previous = os.path.join(retired, "checkpoint")
+    if os.path.isdir(previous):
+      os.rename(previous, path)
+      shutil.rmtree(retired, ignore_errors=True)
+      return

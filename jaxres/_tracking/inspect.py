@@ -35,7 +35,10 @@ def inspect_checkpoint(path) -> list[dict]:
     entry = {"path": node_path, "kind": node["kind"], "type": node.get("type", "")}
     if node["kind"] == "alias":
       entry["of"] = node["of"]
-    entry["arrays"] = [{"name": name, **specs[key]} for name, key in _array_refs(node)]
+    entry["arrays"] = [
+      {"name": name, "shape": specs[key]["shape"], "dtype": specs[key]["dtype"]}
+      for name, key in _array_refs(node)
+    ]
     entries.append(entry)
   return entries
 

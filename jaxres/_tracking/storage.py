@@ -9,6 +9,7 @@ from their recorded shape and dtype instead of being stored.
 from __future__ import annotations
 
 import os
+import zlib
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -25,8 +26,12 @@ def absolute_path(path, name: str = "path") -> str:
 
 
 def spec_of(array: np.ndarray) -> dict:
-  """The JSON description of an array entry."""
-  return {"shape": list(array.shape), "dtype": str(array.dtype)}
+  """The JSON description of an array entry, with a checksum of its bytes."""
+  return {"shape": list(array.shape), "dtype": str(array.dtype), "crc32": _checksum(array)}
+
+
+def _checksum(array: np.ndarray) -> int:
+  return zlib.crc32(np.ascontiguousarray(array))
 
 
 def save_arrays(directory: str, arrays: dict[str, np.ndarray]) -> None:
@@ -46,7 +51,7 @@ def load_arrays(directory: str, specs: dict[str, dict]) -> dict[str, np.ndarray]
   """Reads the arrays described by ``specs`` (key -> :func:`spec_of`) as NumPy arrays.
 
   Raises:
-    ValueError: an array is missing or its shape or dtype differs from ``specs``.
+    ValueError: an array is missing, or its shape, dtype or checksum differs from ``specs``.
   """
   stored = {key for key, spec in specs.items() if np.prod(spec["shape"], dtype=np.int64)}
   restored = {}
@@ -75,6 +80,8 @@ def _fill(label: str, specs: dict[str, dict], restored: dict) -> dict[str, np.nd
       value = np.zeros(spec["shape"], spec["dtype"])
     if list(value.shape) != spec["shape"] or str(value.dtype) != spec["dtype"]:
       raise ValueError(f"{label}: array {key} is {value.dtype}{list(value.shape)}, expected {spec}.")
+    if "crc32" in spec and _checksum(value) != spec["crc32"]:
+      raise ValueError(f"{label}: array {key} is corrupted (its checksum differs from the manifest's).")
     out[key] = value
   return out
 
@@ -97,15 +104,20 @@ class StepStore:
     stored = {key: value for key, value in arrays.items() if value.size}
     if stored:
       items["arrays"] = ocp.args.StandardSave(stored)
-    self._manager.save(step, args=ocp.args.Composite(**items))
+    try:
+      self._manager.save(step, args=ocp.args.Composite(**items))
+    except Exception as err:
+      raise OSError(f"{self._label(step)}: could not save this step ({err}).") from err
 
   def load(self, step: int, check_manifest) -> tuple[dict, dict[str, np.ndarray]]:
     """``(manifest, arrays)`` of ``step``; ``check_manifest`` vets the manifest first."""
     self.wait()
-    label = os.path.join(str(self._manager.directory), str(step))
-    manifest = self._manager.restore(step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore()))[
-      "manifest"
-    ]
+    label = self._label(step)
+    try:
+      args = ocp.args.Composite(manifest=ocp.args.JsonRestore())
+      manifest = self._manager.restore(step, args=args)["manifest"]
+    except Exception as err:  # missing or unreadable
+      raise ValueError(f"{label}: corrupted manifest ({type(err).__name__}: {err}).") from err
     manifest = check_manifest(manifest, label)
     specs = manifest["arrays"]
     restored = {}
@@ -124,7 +136,20 @@ class StepStore:
     return sorted(self._manager.all_steps())
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    """Blocks until pending saves are written; a failed one raises ``OSError`` (once)."""
+    try:
+      self._manager.wait_until_finished()
+    except Exception as err:  # Orbax re-raises a background save's error here
+      raise OSError(
+        f"{self._manager.directory}: an asynchronous save failed and was not committed; "
+        f"earlier steps are intact ({err})."
+      ) from err
+
+  def _label(self, step: int) -> str:
+    return os.path.join(str(self._manager.directory), str(step))
 
   def close(self) -> None:
-    self._manager.close()
+    try:
+      self.wait()
+    finally:
+      self._manager.close()
