@@ -1,7 +1,6 @@
 """jr.MutableHashTable against a dict oracle, the seed's scenarios, threads and NNX."""
 
 import gc
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -103,41 +102,6 @@ def test_pytree_values_and_lookup():
   values, found = table.lookup(np.array([5, 6], np.int32))
   assert values["emb"].tolist() == [[1.0] * 3, [0.0] * 3] and values["count"].tolist() == [2, 0]
   assert found.tolist() == [True, False]
-
-
-@pytest.mark.slow
-def test_eight_threads_lose_no_update():
-  table = jr.MutableHashTable(np.int64, np.int64, default_value=-1, initial_capacity=8)
-  barrier = threading.Barrier(8)
-  errors = []
-
-  def worker(t):
-    try:
-      barrier.wait()
-      for i in range(20):
-        keys = np.arange(t * 1000 + i * 10, t * 1000 + i * 10 + 10, dtype=np.int64)
-        table.insert(keys, keys * 2)
-        if i % 4 == 3:
-          table.remove(keys[:2])
-    except Exception as err:
-      errors.append(err)
-
-  threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join()
-  assert not errors
-  expected = {}
-  for t in range(8):
-    for i in range(20):
-      keys = range(t * 1000 + i * 10, t * 1000 + i * 10 + 10)
-      expected.update({k: 2 * k for k in keys})
-      if i % 4 == 3:
-        for k in list(keys)[:2]:
-          del expected[k]
-  keys, values = table.export()
-  assert dict(zip(keys.tolist(), np.asarray(values).tolist())) == expected
 
 
 def test_repr_shows_a_few_entries_and_truncates():
