@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import errno
 import os
 
 import numpy as np
@@ -124,6 +125,8 @@ class TextFileInitializer:
       ValueError: a line lacks the column, a field does not parse, or the file
         has fewer than ``vocab_size`` lines.
     """
+    if not os.path.isfile(self.filename):
+      raise FileNotFoundError(errno.ENOENT, "filename: no such file", self.filename)
     with open(self.filename, encoding="utf-8") as f:
       lines = f.read().splitlines()
     if self.vocab_size is not None:

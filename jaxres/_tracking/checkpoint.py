@@ -124,7 +124,7 @@ def read_manifest(directory: str) -> dict:
   try:
     with open(path, encoding="utf-8") as f:
       manifest = json.load(f)
-  except FileNotFoundError:
+  except (FileNotFoundError, NotADirectoryError):
     raise ValueError(f"{directory}: not a jaxres checkpoint (no {MANIFEST}).") from None
   except json.JSONDecodeError as err:
     raise ValueError(f"{path}: corrupted manifest ({err}).") from None
