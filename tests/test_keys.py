@@ -121,7 +121,7 @@ def test_x64_suite(group):
     "-p",
     "no:cacheprovider",
     "-k",
-    "int64 or not random",
+    "64 or not (random or seed_dtype)",  # the 64-bit kinds and dtype combinations
   ]
   result = subprocess.run(cmd + selection, cwd=here, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
