@@ -71,7 +71,8 @@ def soak(storage, seed: int, directory) -> dict:
       model.insert(kept_keys, kept_values)
     elif op == "find_or_insert":
       table, got = table.find_or_insert(keys, values, valid)
-      np.testing.assert_array_equal(np.asarray(got)[valid], _expected(model.find_or_insert(kept_keys, kept_values)))
+      want = _expected(model.find_or_insert(kept_keys, kept_values))
+      np.testing.assert_array_equal(np.asarray(got)[valid], want)
     elif op == "apply":
       table = table.insert_or_apply(keys, values, _add, valid)
       model.insert_or_apply(kept_keys, kept_values, _add_rows)
