@@ -16,8 +16,10 @@ probe order, wrapping) that had a free slot when it was inserted.
   slot. Integer min does not depend on the order of the writes, so the
   lowest batch index wins on every backend; rows carrying the same key see
   that they lost to an equal key and become duplicates of it, and rows that
-  only met another slot in the same cell try again with a new hash. Last-wins
-  updates claim with reversed priority. The scratch is sized by the batch, so
+  only met another slot in the same cell try again with a new hash, a chunk
+  at a time (a retried row first looks for its key in its current bucket,
+  where an equal row of an earlier chunk may have put it). Last-wins updates
+  claim with reversed priority. The scratch is sized by the batch, so
   per-call work is O(batch) and never touches the whole capacity.
 * **Exact when full.** When a batch might not fit, the sort-based reference
   admission (:func:`batch.admit`) takes new keys in batch order.
@@ -277,7 +279,7 @@ def _claim_upsert(table: OpenAddressingTable, words, leaves, found, slot, admitt
     rounds, flat, bucket, slot, first, pending = state
     position = jnp.arange(rows.shape[0], dtype=jnp.int32)
     active, current, row_words = pending[rows] & (target < n), bucket[rows], words[rows]
-    placed = jnp.zeros_like(active)
+    placed, placed_slot = jnp.zeros_like(active), jnp.int32(0)
     if later:
       # An equal key of an earlier chunk may have been placed since: these
       # rows follow the same buckets, so they find it in the current one.
@@ -309,7 +311,7 @@ def _claim_upsert(table: OpenAddressingTable, words, leaves, found, slot, admitt
       bucket.at[target].set(
         jnp.where(active & full, (current + 1) % table.num_buckets, current), mode="drop"
       ),
-      slot.at[target].set(jnp.where(placed, placed_slot, new_slot) if later else new_slot, mode="drop"),
+      slot.at[target].set(jnp.where(placed, placed_slot, new_slot), mode="drop"),
       # -1: placed by an equal key whose row is not known here (resolved below).
       first.at[target].set(
         jnp.where(placed, -1, jnp.where(same_key, rows[winner], first[rows])), mode="drop"
