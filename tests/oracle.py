@@ -237,6 +237,20 @@ def twice_plus_rows(old, new):
   return tuple(a * 2 + b for a, b in zip(old, new))
 
 
+def stateful_step(table, model: dict, op: str, keys, values, default) -> None:
+  """``insert``, ``remove`` or ``find`` on a stateful table and its dict model (keys as
+  Python scalars); ``find`` is checked against the model."""
+  if op == "insert":
+    table.insert(keys, values)
+    model.update(zip(keys.tolist(), np.asarray(values).tolist()))
+  elif op == "remove":
+    table.remove(keys)
+    for k in keys.tolist():
+      model.pop(k, None)
+  else:
+    assert table.find(keys).tolist() == [model.get(k, default) for k in keys.tolist()]
+
+
 def run_random_operations(table, model: DictTable, rng: np.random.Generator, steps: int = 40, batch: int = 8):
   """Random batches of every operation on ``table`` and ``model``; they must agree at each step."""
   kind = model.kind

@@ -9,6 +9,7 @@ import threading
 
 import numpy as np
 import pytest
+from oracle import stateful_step
 
 import jaxres as jr
 
@@ -52,16 +53,8 @@ def test_eight_threads_mix_every_operation_on_one_table():
       keys = low + rng.integers(0, KEYS_PER_THREAD, int(rng.integers(1, 9)))
       op = rng.choice(["insert", "remove", "find", "lookup", "export"], p=[0.4, 0.2, 0.2, 0.15, 0.05])
       counts[t][op] += 1
-      if op == "insert":
-        values = rng.integers(-(2**62), 2**62, keys.size)
-        table.insert(keys, values)
-        mine.update(zip(keys.tolist(), values.tolist()))
-      elif op == "remove":
-        table.remove(keys)
-        for k in keys.tolist():
-          mine.pop(k, None)
-      elif op == "find":
-        assert table.find(keys).tolist() == [mine.get(k, -1) for k in keys.tolist()]
+      if op in ("insert", "remove", "find"):
+        stateful_step(table, mine, op, keys, rng.integers(-(2**62), 2**62, keys.size), default=-1)
       elif op == "lookup":
         values, found = table.lookup(keys)
         assert found.tolist() == [k in mine for k in keys.tolist()]

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from oracle import stateful_step
 
 import jaxres as jr
 
@@ -68,15 +69,8 @@ def test_random_operations_match_dict(storage, key_dtype):
   for _ in range(25):
     keys, values = draw(6), rng.integers(-100, 100, size=6).astype(np.int32)
     op = rng.choice(["insert", "remove", "find"])
-    if op == "insert":
-      table.insert(keys, values)
-      model.update(zip(keys.tolist(), values.tolist()))
-    elif op == "remove":
-      table.remove(keys)
-      for k in keys.tolist():
-        model.pop(k, None)
-    else:
-      assert table.find(keys).tolist() == [model.get(k, -1) for k in keys.tolist()]
+    stateful_step(table, model, op, keys, values, default=-1)
+    if op == "find":
       assert np.asarray(table.contains(keys)).tolist() == [k in model for k in keys.tolist()]
     exported_keys, exported_values = table.export()
     assert list(exported_keys) == sorted(model)
