@@ -12,6 +12,7 @@ from jaxres._core.open_addressing import OpenAddressingTable as OpenAddressingTa
 from jaxres._core.sharded import ShardedTable as ShardedTable
 from jaxres._core.sorted_table import SortedTable as SortedTable
 from jaxres._core.table import Table as Table
+from jaxres._integrations import nnx as _nnx  # noqa: F401  (registers the NNX checkpoint adapters)
 from jaxres._shell.initializers import KeyValueInitializer as KeyValueInitializer
 from jaxres._shell.initializers import TextFileIndex as TextFileIndex
 from jaxres._shell.initializers import TextFileInitializer as TextFileInitializer
@@ -21,12 +22,12 @@ from jaxres._shell.mutable_table import MutableHashTable as MutableHashTable
 from jaxres._shell.resource import Resource as Resource
 from jaxres._shell.static_tables import StaticHashTable as StaticHashTable
 from jaxres._shell.static_tables import StaticVocabularyTable as StaticVocabularyTable
+from jaxres._shell.trackable import AutoTrackable as AutoTrackable
+from jaxres._shell.trackable import Trackable as Trackable
 from jaxres._tracking.checkpoint import Checkpoint as Checkpoint
-from jaxres._tracking.checkpoint import LoadStatus as LoadStatus
 from jaxres._tracking.inspect import inspect_checkpoint as inspect_checkpoint
 from jaxres._tracking.manager import CheckpointManager as CheckpointManager
-from jaxres._tracking.trackable import AutoTrackable as AutoTrackable
-from jaxres._tracking.trackable import Trackable as Trackable
+from jaxres._tracking.status import LoadStatus as LoadStatus
 
 __all__ = [
   "AutoTrackable",

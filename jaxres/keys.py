@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxres._core import codec, strings
 
-__all__ = ["decode_strings", "encode_strings", "join64", "split64"]
+__all__ = ["decode_strings", "encode_strings", "hash", "join64", "split64"]
 
 
 def split64(x):
@@ -73,6 +73,27 @@ def join64(pairs, dtype=np.int64):
   if codec.is_traced(pairs):
     raise TypeError("pairs: cannot join traced word pairs with jax_enable_x64 off; keep them as pairs.")
   return codec.join64_host(np.asarray(pairs), dtype)
+
+
+def hash(keys, key, *, seed: int = 0):
+  """A fixed, well-mixed ``uint32`` hash of each key: the same on every backend and in every process.
+
+  Args:
+    keys: keys as a table of ``key`` takes them (``key_dtype[*batch, *key_shape]``;
+      64-bit keys as NumPy arrays or word pairs, see above). Jittable.
+    key: the key dtype, or a ``jax.ShapeDtypeStruct`` for composite keys.
+    seed: selects an independent hash function.
+
+  Returns:
+    ``uint32[*batch]``.
+
+  Example:
+    >>> import numpy as np, jaxres as jr
+    >>> h = jr.keys.hash(np.array([7, 2**40, 7]), np.int64)
+    >>> h.dtype, h.shape, bool(h[0] == h[2]), bool(h[0] != h[1])
+    (dtype('uint32'), (3,), True, True)
+  """
+  return codec.KeySpec.parse(key).hash(keys, seed=seed)
 
 
 def encode_strings(values, max_length: int = 64):

@@ -76,7 +76,7 @@ def test_inspect_checkpoint_lists_the_graph_without_loading(tmp_path):
   assert entries["model/alias"] == {
     "path": "model/alias",
     "kind": "alias",
-    "type": "",
+    "type": "jaxres._shell.mutable_table.MutableHashTable",
     "of": "model/table",
     "arrays": [],
   }

@@ -55,7 +55,7 @@ def test_assign_handles_empty_batches_and_rejects_bad_ids():
   with pytest.raises(TypeError, match="keys"):
     embedding.assign(jnp.array([1, 2], jnp.int32))  # int32 given to an int64 table
   assert len(embedding.ids) == 0
-  with pytest.raises(ValueError, match="num_rows"):
+  with pytest.raises(ValueError, match="initial_capacity"):  # num_rows is the table's capacity
     DynamicEmbedding(0, 2, rngs=nnx.Rngs(0))
 
 

@@ -95,10 +95,13 @@ def test_vocabulary_ids_and_oov_buckets(vocab_file):
   )
   assert vocab.vocab_size == 3 and vocab.size() == 7
   words = ["palmer", "emerson", "carl", "greg", "keith", "carl"]
-  ids = np.asarray(vocab.lookup(words))
+  ids, in_vocab = vocab.lookup(words)
   assert ids.dtype == np.int64 and ids[:2].tolist() == [2, 0]
   assert all(3 <= i < 7 for i in ids[2:]) and ids[2] == ids[5]
-  assert len(set(np.asarray(vocab.lookup([f"oov-{i}" for i in range(200)])).tolist())) == 4
+  assert in_vocab.tolist() == [True, True, False, False, False, False]
+  np.testing.assert_array_equal(vocab.find(words), ids)
+  np.testing.assert_array_equal(vocab[words], ids)
+  assert len(set(np.asarray(vocab.find([f"oov-{i}" for i in range(200)])).tolist())) == 4
   with pytest.raises(ValueError, match="num_oov_buckets"):
     jr.StaticVocabularyTable(jr.KeyValueInitializer(["a"], [0]), num_oov_buckets=0)
   with pytest.raises(TypeError, match="ids must be integers"):
@@ -108,10 +111,10 @@ def test_vocabulary_ids_and_oov_buckets(vocab_file):
 def test_vocabulary_ids_are_stable_across_processes():
   code = (
     "import jaxres as jr; v = jr.StaticVocabularyTable(jr.KeyValueInitializer(['a', 'b'], [0, 1]), 1000);"
-    "print(v.lookup(['x', 'yy', 'zzz', 'b']).tolist())"
+    "print(v.find(['x', 'yy', 'zzz', 'b']).tolist())"
   )
   here = jr.StaticVocabularyTable(jr.KeyValueInitializer(["a", "b"], [0, 1]), 1000)
-  expected = np.asarray(here.lookup(["x", "yy", "zzz", "b"])).tolist()
+  expected = np.asarray(here.find(["x", "yy", "zzz", "b"])).tolist()
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
   assert out.strip() == str(expected)
   assert expected[3] == 1 and len(set(expected[:3])) == 3
@@ -121,8 +124,9 @@ def test_vocabulary_with_integer_keys_inside_jit():
   vocab = jr.StaticVocabularyTable(
     jr.KeyValueInitializer(np.array([7, 9], np.int32), [0, 1]), num_oov_buckets=2
   )
-  eager = np.asarray(vocab.lookup(np.array([9, 8, 7], np.int32)))
-  traced = jax.jit(vocab.lookup)(jnp.array([9, 8, 7], jnp.int32))
+  eager = np.asarray(vocab.find(np.array([9, 8, 7], np.int32)))
+  traced, in_vocab = jax.jit(vocab.lookup)(jnp.array([9, 8, 7], jnp.int32))
+  assert in_vocab.tolist() == [True, False, True]
   if not jax.config.read("jax_enable_x64"):
     traced = jr.keys.join64(traced, np.int64)  # int64 ids travel as word pairs inside jit
   np.testing.assert_array_equal(np.asarray(traced), eager)

@@ -7,7 +7,7 @@ import pytest
 from oracle import STORAGES
 
 import jaxres as jr
-from jaxres._core import kernels
+from jaxres._core import table as table_lib
 
 OPS = {
   "insert": lambda t, k, v: t.insert(k, v),
@@ -100,7 +100,13 @@ def test_resize_under_jit_with_static_capacity():
 
 @pytest.mark.parametrize("storage", STORAGES)
 def test_eager_calls_compile_once_per_shape(storage):
-  compiled = [kernels.lookup, kernels.upsert, kernels.remove, kernels.apply, kernels.contains]
+  compiled = [
+    table_lib._jit_lookup,
+    table_lib._jit_upsert,
+    table_lib._jit_remove,
+    table_lib._jit_apply,
+    table_lib._jit_contains,
+  ]
   t = _table(storage)
 
   def work(t, keys):

@@ -26,10 +26,6 @@ class Groups(NamedTuple):
   start: jax.Array  # int32[N]: sorted position of the row's group head
   end: jax.Array  # int32[N]: sorted position of the row's group tail
 
-  @property
-  def length(self) -> jax.Array:
-    return self.end - self.start + 1
-
 
 def group(words: jax.Array, active: jax.Array | None = None, prefix: jax.Array | None = None) -> Groups:
   """Sorts a flat batch of key rows into groups of equal keys.

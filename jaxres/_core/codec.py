@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxres._core.hashing import hash_words
+
 KEY_DTYPES = (np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.int64), np.dtype(np.uint64))
 _SIGN_BIT = np.uint32(0x80000000)
 _LOW_MASK = np.uint64(0xFFFFFFFF)
@@ -238,6 +240,11 @@ class KeySpec:
       words = split64_host(arr) if self.wide else arr.view(np.uint32)
     words = self._flip_host(np.asarray(words, dtype=np.uint32))
     return jnp.asarray(words.reshape((*batch, self.num_words))), batch
+
+  def hash(self, keys, seed: int = 0) -> jax.Array:
+    """``uint32[*batch]``: a fixed hash of each key (see :func:`hashing.hash_words`)."""
+    words, _ = self.encode(keys)
+    return hash_words(words, seed=seed)
 
   def encode_zero(self) -> jax.Array:
     """The words of the all-zero key (padding in exports)."""

@@ -37,9 +37,12 @@ from jax import lax
 
 from jaxres._core import batch as batch_lib
 from jaxres._core import claims, codec
+from jaxres._core.args import check_int
 from jaxres._core.hashing import hash_words
-from jaxres._core.kernels import select_rows, take_rows
-from jaxres._core.table import Storage, check_capacity, empty_fields, pytree_dataclass, static_field
+from jaxres._core.pytrees import pytree_dataclass, static_field
+from jaxres._core.rows import select_rows, take_rows
+from jaxres._core.storage import Storage, empty_fields
+from jaxres._core.table import check_capacity
 from jaxres._core.values import ValueSpec
 
 _MAX_LOAD = 0.5  # live entries per slot at full capacity: short probe chains, ~26 B/entry
@@ -88,12 +91,12 @@ class OpenAddressingTable(Storage):
       bucket_size: slots per bucket, fetched by one gather (1 to 32).
 
     Raises:
-      TypeError: unsupported key or value dtype, non-integer capacity.
+      TypeError: unsupported key or value dtype, non-integer ``capacity`` or
+        ``bucket_size``.
       ValueError: ``capacity`` or ``bucket_size`` out of range.
     """
     capacity = check_capacity(capacity)
-    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or not 1 <= bucket_size <= 32:
-      raise ValueError(f"bucket_size: expected an int in [1, 32], got {bucket_size!r}.")
+    bucket_size = check_int(bucket_size, "bucket_size", low=1, high=32)
     key_spec, value_spec, default = cls._specs(key, value, default)
     return _empty(capacity, key_spec, value_spec, default, bucket_size)
 
@@ -112,9 +115,6 @@ class OpenAddressingTable(Storage):
 
   def _home(self, words):
     return (hash_words(words) % jnp.uint32(self.num_buckets)).astype(jnp.int32)
-
-  def _group(self, words, active):
-    return batch_lib.group(words, active, prefix=self._home(words).astype(jnp.uint32))
 
   def _occupancy(self, masks):
     """uint32[N] bitmasks -> bool[N, bucket_size]."""
@@ -195,38 +195,6 @@ class OpenAddressingTable(Storage):
       return flat.at[jnp.where(passed, column, flat.size)].add(amount, mode="drop")
 
     return lax.fori_loop(0, jnp.max(jnp.where(mask, distance, 0)), step, flat)
-
-  def _place(self, groups, admitted, rows):
-    """Reference placement (sorted rows): the r-th new key of a bucket takes its r-th free slot."""
-    n = admitted.shape[0]
-    home = self._home(groups.words)
-    index = jnp.arange(n, dtype=jnp.int32)
-    # Rows are sorted by home bucket, so the keys competing for a bucket are
-    # contiguous, and they stay together as they advance bucket by bucket.
-    starts = jnp.concatenate([jnp.ones(1, bool), home[1:] != home[:-1]])
-    group_start = lax.cummax(jnp.where(starts, index, 0))
-
-    def cond(state):
-      rounds, _, _, pending = state
-      return jnp.any(pending) & (rounds < self.num_buckets)
-
-    def body(state):
-      rounds, flat, slot, pending = state
-      bucket = (home + rounds) % self.num_buckets
-      free = ~self._occupancy(flat[self._column(bucket, self._mask_column)])
-      before = jnp.cumsum(pending, dtype=jnp.int32) - pending
-      rank = before - before[group_start]
-      take = pending & (rank < jnp.sum(free, axis=-1))
-      nth_free = free & (jnp.cumsum(free, axis=-1) == (rank + 1)[:, None])
-      new_slot = bucket * self.bucket_size + jnp.argmax(nth_free, axis=-1).astype(jnp.int32)
-      flat = self._store(flat, new_slot, groups.words, take)
-      return rounds + 1, flat, jnp.where(take, new_slot, slot), pending & ~take
-
-    state = (jnp.int32(0), self.buckets.reshape(-1), jnp.zeros(n, jnp.int32), admitted)
-    _, flat, slot, _ = lax.while_loop(cond, body, state)
-    flat = self._shift_overflow(flat, home, slot, admitted, +1)
-    table = dataclasses.replace(self, buckets=flat.reshape(self.buckets.shape))
-    return table._write(slot, rows, admitted)
 
   def _upsert_rows(self, words, leaves, active, mode):
     found, slot = self._locate(words)

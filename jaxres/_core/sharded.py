@@ -32,10 +32,13 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxres._core import codec, kernels
+from jaxres._core import codec
 from jaxres._core.hashing import hash_words
 from jaxres._core.open_addressing import OpenAddressingTable
-from jaxres._core.table import Storage, Table, check_capacity, pytree_dataclass, static_field
+from jaxres._core.pytrees import pytree_dataclass, static_field
+from jaxres._core.rows import select_rows
+from jaxres._core.storage import Storage
+from jaxres._core.table import Table, check_capacity
 from jaxres._core.values import ValueSpec
 
 _ROUTING_SEED = 0x5EED  # independent of the storages' bucket hash (seed 0)
@@ -204,7 +207,7 @@ class ShardedTable(Table):
 
     _, out = self._routed(op, words, None, [])
     found = out.pop()
-    return kernels.select_rows(found, out, defaults), found
+    return select_rows(found, out, defaults), found
 
   def _upsert_rows(self, words, leaves, active, mode):
     def op(shard, words, active, rows):

@@ -20,9 +20,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxres._core import batch as batch_lib
-from jaxres._core import codec
-from jaxres._core.kernels import exact_upsert, update_existing
-from jaxres._core.table import Storage, check_capacity, empty_fields, pytree_dataclass, static_field
+from jaxres._core import claims, codec
+from jaxres._core.pytrees import pytree_dataclass, static_field
+from jaxres._core.rows import select_rows, take_rows
+from jaxres._core.storage import Storage, empty_fields
+from jaxres._core.table import check_capacity
 from jaxres._core.values import ValueSpec
 
 
@@ -81,9 +83,6 @@ class SortedTable(Storage):
   def _with_capacity(self, capacity):
     return _empty(capacity, self.key_spec, self.value_spec, self.default)
 
-  def _group(self, words, active):
-    return batch_lib.group(words, active)
-
   def _search(self, words):
     """``(present, position)``: lower bound of each key in ``[0, count)``."""
     last = self.capacity - 1
@@ -106,6 +105,7 @@ class SortedTable(Storage):
     return present & self.live[jnp.minimum(position, self.capacity - 1)], position
 
   def _place(self, groups, admitted, rows):
+    """Stores the new keys of the ``admitted`` group heads (sorted rows) with value ``rows``."""
     present, position = self._search(groups.words)
     revive = admitted & present
     table = self._write(position, rows, revive)
@@ -117,8 +117,8 @@ class SortedTable(Storage):
   def _upsert_rows(self, words, leaves, active, mode):
     found, slot = self._locate(words)
     # Updating present keys needs no sorting; only new keys are merged in order.
-    update = functools.partial(update_existing, leaves=leaves, slot=slot, active=active, mode=mode)
-    merge = functools.partial(exact_upsert, words=words, leaves=leaves, active=active, mode=mode)
+    update = functools.partial(_update_existing, leaves=leaves, slot=slot, active=active, mode=mode)
+    merge = functools.partial(_sorted_upsert, words=words, leaves=leaves, active=active, mode=mode)
     return lax.cond(jnp.all(found if active is None else found | ~active), update, merge, self)
 
   def _release(self, words, slot, mask):
@@ -130,6 +130,47 @@ class SortedTable(Storage):
     words = jnp.zeros_like(self.keys).at[target].set(self.keys, mode="drop")
     leaves = [jnp.zeros_like(v).at[target].set(v, mode="drop") for v in self.values]
     return words, leaves, jnp.arange(self.capacity) < self.size
+
+
+def _update_existing(table: SortedTable, leaves, slot, active, mode: str) -> tuple[SortedTable, list]:
+  """insert / find_or_insert when every active key is present: no grouping by sorting."""
+  if mode == "insert":
+    last = claims.first_per_slot(slot, jnp.ones(slot.shape, bool) if active is None else active, last=True)
+    return table._write(slot, leaves, last), []
+  return table, take_rows(table.values, slot)
+
+
+def _sorted_upsert(table: SortedTable, words, leaves, active, mode: str) -> tuple[SortedTable, list]:
+  """insert / find_or_insert with new keys: group the batch by sorting, admit in batch order.
+
+  Exact in every case, including a batch that overflows the table (the new
+  keys admitted are those a one-at-a-time loop would have inserted).
+  """
+  groups = batch_lib.group(words, active)
+  rows = take_rows(leaves, groups.perm)
+  found, slot = table._locate(groups.words)
+  if mode == "insert":
+    rows = take_rows(rows, groups.end)
+  heads = groups.head & groups.active
+  new = heads & ~found
+  rank = batch_lib.first_occurrence_rank(groups, new)
+  admitted = new & (rank < table.capacity - table.size)
+  num_admitted = jnp.sum(admitted, dtype=jnp.int32)
+
+  out = []
+  if mode == "first":
+    defaults = [jnp.broadcast_to(d, x.shape) for d, x in zip(table.default, rows)]
+    out = select_rows(found, take_rows(table.values, slot), select_rows(admitted, rows, defaults))
+    out = batch_lib.unsort(groups, take_rows(out, groups.start))
+  else:
+    table = table._write(slot, rows, heads & found)
+  table = table._place(groups, admitted, rows)
+  table = dataclasses.replace(
+    table,
+    size=table.size + num_admitted,
+    dropped=table.dropped + jnp.sum(new, dtype=jnp.int32) - num_admitted,
+  )
+  return table, out
 
 
 def _merge(table: SortedTable, words, rows, fresh, position):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxres._core.args import check_int
+
 
 def string_width(max_length: int) -> int:
   """uint32 words per encoded string of at most ``max_length`` bytes."""
@@ -18,9 +20,8 @@ def string_width(max_length: int) -> int:
 
 
 def check_max_length(max_length, name: str) -> int:
-  if isinstance(max_length, bool) or not isinstance(max_length, int) or not 0 < max_length <= 1 << 16:
-    raise ValueError(f"{name}: expected an int in [1, 65536], got {max_length!r}.")
-  return max_length
+  """A maximum string length in UTF-8 bytes: an int in ``[1, 65536]``."""
+  return check_int(max_length, name, low=1, high=1 << 16)
 
 
 def encode(strings, max_length: int, name: str = "keys") -> np.ndarray:

@@ -1,28 +1,18 @@
-"""The ``Table`` protocol and the batch algorithms the storages share.
+"""The ``Table`` protocol: argument checking on the host, one jitted function per operation.
 
-Public methods validate and encode arguments on the host, then call one jitted
-function per operation (:mod:`kernels`), so eager calls are compiled once per
-shape and calls inside a user's ``jit`` simply inline. The kernels work on
-flat batches of uint32 key rows through a table's row operations
-(``_lookup_rows``, ``_upsert_rows``, ``_apply_rows``, ``_remove_rows``,
-``_compact``).
-
-A :class:`Storage` (open addressing, sorted array) implements the row
-operations once, on top of five primitives:
-
-* ``_group(words, active)``: sort the batch into groups of equal keys;
-* ``_locate(words)``: ``(found, slot)`` of live entries;
-* ``_place(groups, admitted, rows)``: store new keys (admitted group heads);
-* ``_release(words, slot, mask)``: delete entries;
-* ``_compact()``: all live entries packed at the front of ``capacity`` rows.
-
-A sharded table instead routes each row to the storage that owns its key.
+Public methods validate and encode arguments on the host, then call one of the
+jitted functions below, so eager calls are compiled once per shape and calls
+inside a user's ``jit`` simply inline. Those functions work on flat batches of
+uint32 key rows through a table's row operations (``_lookup_rows``,
+``_upsert_rows``, ``_apply_rows``, ``_remove_rows``, ``_compact``), which each
+kind of table implements: the storages (:mod:`storage`) in their arrays, a
+sharded table by routing each row to the storage that owns its key.
 """
 
 from __future__ import annotations
 
 import abc
-import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -31,47 +21,49 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxres._core import batch as batch_lib
-from jaxres._core import codec, display, kernels
+from jaxres._core import codec, display, entries
+from jaxres._core.args import check_int
+from jaxres._core.rows import select_rows
 from jaxres._core.values import ValueSpec
 
 _MAX_CAPACITY = 2**30
 _MIN_EAGER_ROWS = 8  # eager batches are padded to a power of two of at least this many rows
 
 
-def pytree_dataclass(cls):
-  """A frozen dataclass registered as a pytree; fields marked ``static`` are aux data."""
-  cls = dataclasses.dataclass(frozen=True, eq=False, repr=False)(cls)
-  fields = dataclasses.fields(cls)
-  meta = [f.name for f in fields if f.metadata.get("static")]
-  data = [f.name for f in fields if not f.metadata.get("static")]
-  return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
-
-
-def static_field():
-  return dataclasses.field(metadata={"static": True})
-
-
 def check_capacity(capacity, name: str = "capacity") -> int:
-  if isinstance(capacity, (bool, np.bool_)) or not isinstance(capacity, (int, np.integer)):
-    raise TypeError(f"{name}: expected a Python int, got {capacity!r} (it is static).")
-  capacity = int(capacity)
-  if not 0 < capacity <= _MAX_CAPACITY:
-    raise ValueError(f"{name}: expected 1 <= {name} <= {_MAX_CAPACITY}, got {capacity}.")
-  return capacity
+  """A static capacity: an int in ``[1, 2**30]`` (``TypeError``/``ValueError`` naming ``name``)."""
+  return check_int(capacity, name, low=1, high=_MAX_CAPACITY)
 
 
-def empty_fields(capacity: int, key_spec, value_spec, default, rows: int) -> dict:
-  """The fields every storage starts with: no entries and ``rows`` value rows."""
-  return {
-    "values": tuple(value_spec.empty((rows,))),
-    "default": tuple(default),
-    "size": jnp.zeros((), jnp.int32),
-    "dropped": jnp.zeros((), jnp.int32),
-    "capacity": capacity,
-    "key_spec": key_spec,
-    "value_spec": value_spec,
-  }
+@jax.jit
+def _jit_lookup(table: Table, words, defaults):
+  return table._lookup_rows(words, defaults)
+
+
+@jax.jit
+def _jit_contains(table: Table, words):
+  return table._lookup_rows(words, [])[1]
+
+
+@jax.jit
+def _jit_compact(table: Table):
+  return table._compact()
+
+
+@jax.jit
+def _jit_remove(table: Table, words, active):
+  return table._remove_rows(words, active)
+
+
+@functools.partial(jax.jit, static_argnames=("mode",))
+def _jit_upsert(table: Table, words, leaves, active, *, mode: str):
+  """insert ("insert": last duplicate wins) and find_or_insert ("first")."""
+  return table._upsert_rows(words, leaves, active, mode)
+
+
+@functools.partial(jax.jit, static_argnames=("fn",))
+def _jit_apply(table: Table, words, leaves, active, *, fn):
+  return table._apply_rows(words, leaves, active, fn)
 
 
 class Table(abc.ABC):
@@ -88,6 +80,8 @@ class Table(abc.ABC):
   valid key. With ``jax_enable_x64`` off, 64-bit keys are given as NumPy arrays
   on the host, or as ``uint32[..., 2]`` word pairs (see :mod:`jaxres.keys`).
   """
+
+  _checkpoint_kind = "table"  # checkpoints of stateful and functional tables are interchangeable
 
   # Fields every storage declares (see the storage modules).
   values: tuple
@@ -202,7 +196,7 @@ class Table(abc.ABC):
     if not words.shape[0]:
       return jnp.zeros(batch, bool)
     words, _, _, n = self._padded(words, [], None)
-    return kernels.contains(self, words)[:n].reshape(batch)
+    return _jit_contains(self, words)[:n].reshape(batch)
 
   def _lookup(self, keys, default):
     words, batch = self._keys(keys)
@@ -211,7 +205,7 @@ class Table(abc.ABC):
       return self._empty_result(batch), jnp.zeros(batch, bool)
     flat_defaults = [d.reshape((words.shape[0], *d.shape[len(batch) :])) for d in defaults]
     words, flat_defaults, _, n = self._padded(words, flat_defaults, None)
-    leaves, found = kernels.lookup(self, words, flat_defaults)
+    leaves, found = _jit_lookup(self, words, flat_defaults)
     return self._output([x[:n] for x in leaves], batch), found[:n].reshape(batch)
 
   # ----------------------------------------------------------- mutations
@@ -237,7 +231,7 @@ class Table(abc.ABC):
     active = self._active(valid, batch)
     if not words.shape[0]:
       return self
-    return kernels.upsert(self, *self._padded(words, leaves, active)[:3], mode="insert")[0]
+    return _jit_upsert(self, *self._padded(words, leaves, active)[:3], mode="insert")[0]
 
   def find_or_insert(self, keys, values, valid=None) -> tuple[Table, Any]:
     """Returns existing values and inserts the missing keys with ``values``.
@@ -268,10 +262,10 @@ class Table(abc.ABC):
     if not words.shape[0]:
       return self, self._empty_result(batch)
     padded_words, padded_leaves, padded_active, n = self._padded(words, leaves, active)
-    table, out = kernels.upsert(self, padded_words, padded_leaves, padded_active, mode="first")
+    table, out = _jit_upsert(self, padded_words, padded_leaves, padded_active, mode="first")
     out = [x[:n] for x in out]
     if active is not None:
-      out = kernels.select_rows(active, out, self._default(None, (n,)))
+      out = select_rows(active, out, self._default(None, (n,)))
     return table, self._output(out, batch)
 
   def insert_or_apply(self, keys, values, fn: Callable, valid=None) -> Table:
@@ -305,7 +299,7 @@ class Table(abc.ABC):
     if not words.shape[0]:
       return self
     self._check_fn(fn)
-    return kernels.apply(self, *self._padded(words, leaves, active)[:3], fn=fn)
+    return _jit_apply(self, *self._padded(words, leaves, active)[:3], fn=fn)
 
   def _check_fn(self, fn):
     entry = [jax.ShapeDtypeStruct(s.storage_shape, s.storage_dtype) for s in self.value_spec.leaves]
@@ -332,7 +326,7 @@ class Table(abc.ABC):
     if not words.shape[0]:
       return self
     words, _, active, _ = self._padded(words, [], active)
-    return kernels.remove(self, words, active)
+    return _jit_remove(self, words, active)
 
   # ------------------------------------------------------ whole contents
 
@@ -344,7 +338,7 @@ class Table(abc.ABC):
     back as NumPy arrays when x64 is off and the call is eager, and as word
     pairs under ``jit``.
     """
-    words, leaves, valid = kernels.compact(self)
+    words, leaves, valid = _jit_compact(self)
     words = jnp.where(valid[:, None], words, self.key_spec.encode_zero())
     return self.key_spec.decode(words), self.value_spec.from_storage(leaves), valid
 
@@ -365,7 +359,7 @@ class Table(abc.ABC):
     empty = self._cleared()
     if not words.shape[0]:
       return empty
-    return kernels.upsert(empty, *self._padded(words, leaves, active)[:3], mode="insert")[0]
+    return _jit_upsert(empty, *self._padded(words, leaves, active)[:3], mode="insert")[0]
 
   def resize(self, capacity: int) -> Table:
     """The same contents in a table of another ``capacity`` (static).
@@ -377,36 +371,42 @@ class Table(abc.ABC):
     capacity = check_capacity(capacity)
     if not codec.is_traced(self.size) and int(self.size) > capacity:
       raise ValueError(f"capacity: {capacity} is below the table's size {int(self.size)}.")
-    words, leaves, valid = kernels.compact(self)
-    return kernels.upsert(self._with_capacity(capacity), words, leaves, valid, mode="insert")[0]
+    words, leaves, valid = _jit_compact(self)
+    return _jit_upsert(self._with_capacity(capacity), words, leaves, valid, mode="insert")[0]
 
-  def _live_by_shard(self) -> list[tuple[np.ndarray, list[np.ndarray]]]:
+  # ------------------------------------------------------ checkpoints
+
+  def _serialize_to_arrays(self) -> dict[str, np.ndarray]:
+    """The live entries as named host arrays (see :mod:`entries`): keys in their exact dtype."""
+    return entries.to_arrays(self._live_by_shard(), self.value_spec)
+
+  def _from_arrays(self, arrays) -> Table:
+    """This table (its storage, capacity, mesh) holding exactly the entries of ``arrays``.
+
+    Raises:
+      TypeError: ``arrays`` are not a table's.
+      ValueError: keys or values of other dtypes or shapes, or more entries
+        than the capacity holds.
+    """
+    keys, values = entries.from_arrays(arrays, self.key_spec, self.value_spec)
+    table = self.import_(keys, values)
+    if int(table.dropped):
+      raise ValueError(
+        f"{len(keys)} entries do not fit a table of capacity {self.capacity} "
+        f"({int(table.dropped)} would be lost)."
+      )
+    return table
+
+  def _live_by_shard(self) -> list[entries.Entries]:
     """The live entries on the host, ``(keys, value leaves)`` per shard, in exact dtypes."""
-    return [self._host_entries(*kernels.compact(self))]
+    words, leaves, valid = jax.device_get(_jit_compact(self))
+    return [self._host_entries(words, leaves, valid)]
 
-  def _host_entries(self, words, leaves, valid) -> tuple[np.ndarray, list[np.ndarray]]:
+  def _host_entries(self, words, leaves, valid) -> entries.Entries:
     live = np.asarray(valid)
     keys = self.key_spec.decode(jnp.asarray(np.asarray(words)[live]))
     values = self.value_spec.from_storage([jnp.asarray(np.asarray(x)[live]) for x in leaves])
     return np.asarray(keys), [np.asarray(x) for x in jax.tree.leaves(values)]
-
-  def _with_entries(self, keys, values, name: str) -> Table:
-    """A table like this one (emptied) holding exactly the entries ``keys -> values``.
-
-    Raises:
-      ValueError: naming ``name``, when the entries do not fit the capacity.
-    """
-    words, batch = self._keys(keys, f"{name}: keys")
-    leaves = self._values(values, batch, f"{name}: values")
-    table = self._cleared()
-    if words.shape[0]:
-      table = kernels.upsert(table, *self._padded(words, leaves, None)[:3], mode="insert")[0]
-    if int(table.dropped):
-      raise ValueError(
-        f"{name}: {words.shape[0]} entries do not fit a table of capacity {self.capacity} "
-        f"({int(table.dropped)} would be lost)."
-      )
-    return table
 
   def __repr__(self) -> str:
     size = "traced" if codec.is_traced(self.size) else int(self.size)
@@ -428,7 +428,7 @@ class Table(abc.ABC):
     )
 
   # ------------------------------------------------------ row operations
-  # Flat batches of uint32 key rows, called inside the jitted kernels.
+  # Flat batches of uint32 key rows, called inside the jitted functions above.
 
   def _cleared(self) -> Table:
     return self._with_capacity(self.capacity)
@@ -456,42 +456,3 @@ class Table(abc.ABC):
   @abc.abstractmethod
   def _compact(self) -> tuple[jax.Array, list, jax.Array]:
     """``(words[rows, W], leaves, valid)`` with the live entries first."""
-
-
-class Storage(Table):
-  """A table held in one set of arrays: the row operations, written once over five primitives."""
-
-  def _lookup_rows(self, words, defaults):
-    return kernels.lookup_present(self, words, defaults)
-
-  def _upsert_rows(self, words, leaves, active, mode):
-    return kernels.exact_upsert(self, words, leaves, active, mode)
-
-  def _apply_rows(self, words, leaves, active, fn):
-    return kernels.fold_in(self, words, leaves, active, fn)
-
-  def _remove_rows(self, words, active):
-    """The first active row of each present key releases it."""
-    return kernels.release_present(self, words, active)
-
-  def _write(self, slot, rows, mask) -> Table:
-    """Overwrites the values of existing entries at ``slot`` where ``mask``."""
-    index = jnp.where(mask, slot, self.values[0].shape[0])
-    values = tuple(v.at[index].set(r, mode="drop") for v, r in zip(self.values, rows))
-    return dataclasses.replace(self, values=values)
-
-  @abc.abstractmethod
-  def _group(self, words, active) -> batch_lib.Groups:
-    """Groups a flat batch of key rows (see :func:`batch.group`)."""
-
-  @abc.abstractmethod
-  def _locate(self, words) -> tuple[jax.Array, jax.Array]:
-    """``(found bool[N], slot int32[N])`` of live entries; slot indexes ``values``."""
-
-  @abc.abstractmethod
-  def _place(self, groups, admitted, rows) -> Table:
-    """Stores the new keys of the ``admitted`` group heads with value ``rows``."""
-
-  @abc.abstractmethod
-  def _release(self, words, slot, mask) -> Table:
-    """Deletes the entries of keys ``words`` at ``slot`` where ``mask`` (unique keys)."""

@@ -10,6 +10,9 @@ import numpy as np
 
 from jaxres._core import codec
 
+# What JAX stores a 64-bit float leaf as when x64 is off.
+_NARROWED = {np.dtype(np.float64): np.dtype(np.float32), np.dtype(np.complex128): np.dtype(np.complex64)}
+
 
 def _is_spec_leaf(x) -> bool:
   return isinstance(x, jax.ShapeDtypeStruct) or _as_dtype(x) is not None
@@ -49,6 +52,15 @@ class LeafSpec:
 
   def __str__(self) -> str:
     return f"{self.dtype}{list(self.shape)}"
+
+  def accepts(self, dtype) -> bool:
+    """Whether stored entries of ``dtype`` are this leaf's values (exported with x64 on or off).
+
+    With ``jax_enable_x64`` off a ``float64`` leaf holds ``float32`` values,
+    so either dtype is accepted for it.
+    """
+    dtype = np.dtype(dtype)
+    return dtype == self.dtype or dtype == _NARROWED.get(self.dtype, self.dtype)
 
   def to_storage(self, x, batch: tuple[int, ...], name: str, broadcast: bool) -> jax.Array:
     """One user leaf -> storage array of shape ``batch + storage_shape``.

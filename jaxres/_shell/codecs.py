@@ -40,8 +40,26 @@ def _fingerprint(tree) -> tuple:
   return (str(treedef), *((np.asarray(x).dtype.str, np.shape(x), np.asarray(x).tobytes()) for x in leaves))
 
 
-class KeyCodec(_Codec):
-  """Keys of a stateful table: an integer dtype, or ``str``."""
+class _StringRows:
+  """Strings stored as uint32 word rows of a fixed width."""
+
+  is_string: bool
+  max_length: int
+  width: int
+
+  def fit(self, rows: np.ndarray, name: str) -> np.ndarray:
+    """Checkpointed rows, re-encoded if they were written for another maximum length.
+
+    Raises:
+      ValueError: a string is longer than this table's maximum length.
+    """
+    if not self.is_string or rows.dtype != np.uint32 or rows.ndim != 2 or rows.shape[1] == self.width:
+      return rows
+    return strings.encode(strings.decode(rows), self.max_length, name=name)
+
+
+class KeyCodec(_Codec, _StringRows):
+  """Keys of a stateful table: an integer dtype or spec (composite keys), or ``str``."""
 
   def __init__(self, key_dtype, max_length: int):
     self.is_string = _is_string_dtype(key_dtype)
@@ -51,8 +69,9 @@ class KeyCodec(_Codec):
       self.spec = jax.ShapeDtypeStruct((self.width,), jnp.uint32)
       self.name = "str"
     else:
-      self.spec = codec.KeySpec.parse(key_dtype).dtype
-      self.name = str(self.spec)
+      spec = codec.KeySpec.parse(key_dtype)  # composite keys keep their shape
+      self.spec = jax.ShapeDtypeStruct(spec.shape, spec.dtype) if spec.shape else spec.dtype
+      self.name = str(spec)
     self.config = (self.name, self.max_length if self.is_string else None)
 
   def encode(self, keys):
@@ -71,7 +90,7 @@ class KeyCodec(_Codec):
     return np.argsort(keys, kind="stable")
 
 
-class ValueCodec(_Codec):
+class ValueCodec(_Codec, _StringRows):
   """Values of a stateful table: a dtype (or pytree of dtypes), or ``str``.
 
   The per-entry shape is the shape of ``default_value``, as in TensorFlow; a

@@ -8,6 +8,8 @@ import os
 
 import numpy as np
 
+from jaxres._core.args import check_int
+
 
 def _host_array(data, name: str):
   """Keys or values given by the user -> (NumPy array, dtype or ``str``)."""
@@ -105,13 +107,14 @@ class TextFileInitializer:
   ):
     if not isinstance(filename, (str, os.PathLike)):
       raise TypeError(f"filename: expected a path, got {filename!r}.")
-    for name, index in (("key_index", key_index), ("value_index", value_index)):
-      if isinstance(index, bool) or not isinstance(index, int) or index < TextFileIndex.WHOLE_LINE:
-        raise ValueError(f"{name}: expected a column number >= 0, WHOLE_LINE or LINE_NUMBER, got {index!r}.")
-    if vocab_size is not None and (
-      isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 0
-    ):
-      raise ValueError(f"vocab_size: expected a non-negative int or None, got {vocab_size!r}.")
+    key_index, value_index = (
+      check_int(
+        index, name, low=TextFileIndex.WHOLE_LINE, expected="a column number >= 0, WHOLE_LINE or LINE_NUMBER"
+      )
+      for name, index in (("key_index", key_index), ("value_index", value_index))
+    )
+    if vocab_size is not None:
+      vocab_size = check_int(vocab_size, "vocab_size", low=0)
     self.filename = os.fspath(filename)
     self.key_dtype, self.value_dtype = key_dtype, value_dtype
     self.key_index, self.value_index = key_index, value_index

@@ -1,20 +1,22 @@
-"""The read side shared by the stateful tables: codecs, lookups, export, repr."""
+"""The read side shared by the stateful tables: codecs, lookups, export, checkpoints, repr."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxres._core import codec, display
+from jaxres._core import codec, display, entries
 from jaxres._core.open_addressing import OpenAddressingTable
 from jaxres._core.sorted_table import SortedTable
 from jaxres._core.table import Table, check_capacity
 from jaxres._core.values import ValueSpec
 from jaxres._shell.codecs import KeyCodec, ValueCodec
 from jaxres._shell.resource import Resource
+from jaxres._shell.trackable import Commit
 
 STORAGES = {"open_addressing": OpenAddressingTable, "sorted": SortedTable}
 _REPR_ENTRIES = 3
@@ -25,9 +27,17 @@ class LookupTable(Resource):
   """Base of the stateful tables: key/value codecs, reads, export and repr.
 
   The state (:attr:`state`) is a functional :class:`jaxres.Table`. Keys may be
-  integers or strings, values dtypes, pytrees of dtypes or strings; 64-bit
-  integers are exact with ``jax_enable_x64`` off (NumPy arrays on the host).
+  integers (scalars or fixed-shape vectors: composite keys) or strings, values
+  dtypes, pytrees of dtypes or strings; 64-bit integers are exact with
+  ``jax_enable_x64`` off (NumPy arrays on the host). Every stateful table reads
+  alike: ``find`` gives values (also ``table[keys]``), ``lookup`` gives
+  ``(values, found)``, ``contains`` gives bools.
+
+  Checkpoints store the live entries only, as a functional table does (the
+  two restore into each other), and restore into any capacity.
   """
+
+  _checkpoint_kind = "table"
 
   def __init__(
     self,
@@ -67,13 +77,25 @@ class LookupTable(Resource):
     values = self._value_codec
     return self._storage.create(capacity, key=self._key_codec.spec, value=values.spec, default=values.default)
 
-  # ------------------------------------------------------------ helpers
+  def _imported(self, keys, values) -> Table:
+    """A new state holding exactly ``keys -> values`` (the core's encoding), with room for them all."""
+    rows = int(np.shape(keys)[0]) if np.ndim(keys) else 1
+    return self._empty(max(self.state.capacity, rows)).import_(keys, values)
 
-  def _restore_entries(self, keys, values) -> None:
-    """Replaces the contents with checkpointed entries (in the core's encoding)."""
-    with self._life().lock:
-      table = self._empty(max(self.state.capacity, len(keys), 1))
-      self.state = table.insert(keys, values) if len(keys) else table
+  # -------------------------------------------------------- checkpoints
+
+  def _serialize_to_arrays(self) -> dict[str, np.ndarray]:
+    return self.state._serialize_to_arrays()  # live entries only (not the lost-in-jit report)
+
+  def _prepare_restore(self, arrays: Mapping[str, np.ndarray]) -> Commit:
+    state = self.state
+    codecs = {"keys": self._key_codec, "values": self._value_codec}
+    arrays = {  # string rows written for another maximum length are re-encoded
+      name: codecs[field].fit(array, name) if (field := entries.field_of(name)) in codecs else array
+      for name, array in arrays.items()
+    }
+    keys, values = entries.from_arrays(arrays, state.key_spec, state.value_spec)
+    return self._replacing_state(self._imported(keys, values))
 
   def _current(self):
     """The state, after reporting keys lost inside jit (eager use only)."""
@@ -89,6 +111,10 @@ class LookupTable(Resource):
         "initial_capacity."
       )
     return table
+
+  def __getitem__(self, keys):
+    """``table[keys]`` is ``table.find(keys)``."""
+    return self.find(keys)
 
   def find(self, keys, default=None):
     """Values for ``keys``; missing keys get ``default`` (the table's default if ``None``)."""

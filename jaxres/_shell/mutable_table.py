@@ -20,7 +20,9 @@ class MutableHashTable(LookupTable):
   before jitting to make room).
 
   Args:
-    key_dtype: ``int32``, ``uint32``, ``int64``, ``uint64`` or ``str``.
+    key_dtype: ``int32``, ``uint32``, ``int64``, ``uint64``, a
+      ``jax.ShapeDtypeStruct`` of one for composite keys (``(2,)``: keys of
+      shape ``[*batch, 2]``), or ``str``.
     value_dtype: a dtype, a pytree of dtypes matching ``default_value``, or ``str``.
     default_value: value of missing keys; its shape is the per-entry value shape.
     initial_capacity: live entries before the first growth.
@@ -81,9 +83,6 @@ class MutableHashTable(LookupTable):
       new, out = update(table)
     return new, out
 
-  def _insert_growing(self, table, keys, values):
-    return self._growing(table, lambda t: (t.insert(keys, values), None))[0]
-
   def insert(self, keys, values) -> None:
     """Inserts or assigns ``values`` for ``keys`` (the last duplicate wins).
 
@@ -93,7 +92,7 @@ class MutableHashTable(LookupTable):
     with self._life().lock:
       table = self._current()
       keys, values = self._key_codec.encode(keys), self._value_codec.encode(values)
-      self.state = self._insert_growing(table, keys, values)
+      self.state = self._growing(table, lambda t: (t.insert(keys, values), None))[0]
 
   def find_or_insert(self, keys, values):
     """Values of ``keys``; keys not yet present are inserted with ``values`` first.
@@ -124,9 +123,8 @@ class MutableHashTable(LookupTable):
   def import_(self, keys, values) -> None:
     """Replaces the contents with the given entries (growing as needed)."""
     with self._life().lock:
-      table = self._current()
-      keys, values = self._key_codec.encode(keys), self._value_codec.encode(values)
-      self.state = self._insert_growing(table._cleared(), keys, values)
+      self._current()
+      self.state = self._imported(self._key_codec.encode(keys), self._value_codec.encode(values))
 
   def reserve(self, capacity: int) -> None:
     """Grows the table to hold ``capacity`` entries (e.g. before jitting)."""

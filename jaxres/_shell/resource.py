@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxres._tracking.trackable import Trackable
+from jaxres._core.pytrees import leaf_names
+from jaxres._shell.trackable import Commit, Trackable
 
 
 class ResourceState(nnx.Variable):
@@ -43,6 +46,7 @@ class Resource(Trackable, nnx.Module):
   is garbage collected). The state is created lazily on first access of
   :attr:`state`. A resource held by an ``nnx.Module`` is traced by
   ``nnx.jit``, and state assigned inside the jitted call persists after it.
+  Checkpoints store the state's leaves (``state``, or ``state/<key path>``).
 
   Args:
     device: optional ``jax.Device`` or ``jax.sharding.Sharding``; the state
@@ -141,6 +145,44 @@ class Resource(Trackable, nnx.Module):
         self.destroy()
     finally:
       _LIFECYCLES.pop(id(self), None)
+
+  # -------------------------------------------------------- checkpoints
+
+  _checkpoint_kind = "resource"
+
+  def _serialize_to_arrays(self) -> dict[str, Any]:
+    state = self.state
+    return dict(zip(leaf_names(state, "state"), jax.tree.leaves(state)))
+
+  def _restore_from_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+    self._prepare_restore(arrays)()
+
+  def _prepare_restore(self, arrays: Mapping[str, np.ndarray]) -> Commit:
+    current = self.state
+    names = leaf_names(current, "state")
+    if sorted(arrays) != sorted(names):
+      raise TypeError(f"expected the arrays {names} of this resource's state, got {sorted(arrays)}.")
+    leaves = []
+    for name, old in zip(names, jax.tree.leaves(current)):
+      new, old = np.asarray(arrays[name]), np.asarray(old)
+      if new.shape != old.shape or new.dtype != old.dtype:
+        raise ValueError(
+          f"{name}: the checkpoint holds {new.dtype}{list(new.shape)}, "
+          f"the state {old.dtype}{list(old.shape)}."
+        )
+      leaves.append(jnp.asarray(new))
+    return self._replacing_state(jax.tree.unflatten(jax.tree.structure(current), leaves))
+
+  def _replacing_state(self, new) -> Commit:
+    """The commit that makes ``new`` the state (and whose undo puts the old one back)."""
+
+    def commit():
+      with self._life().lock:
+        old = self.state
+        self.state = new
+      return lambda: setattr(self, "state", old)
+
+    return commit
 
   def _check_state(self, state) -> None:
     """Raises ``TypeError`` for a state this resource cannot hold (a pytree of arrays here)."""

@@ -6,10 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxres._core import codec
-from jaxres._core.hashing import hash_words
+from jaxres._core.args import check_int
 from jaxres._shell.initializers import KeyValueInitializer, TextFileInitializer
 from jaxres._shell.lookup_table import LookupTable
-from jaxres._tracking.trackable import AutoTrackable
 
 _FINGERPRINT_SEED = 0x5EED
 _MAX_OOV_BUCKETS = 2**31 - 1
@@ -46,10 +45,7 @@ class StaticHashTable(LookupTable):
   def __init__(
     self, initializer, default_value, *, storage: str = "sorted", device=None, max_key_length=None
   ):
-    if not isinstance(initializer, (KeyValueInitializer, TextFileInitializer)):
-      raise TypeError(
-        f"initializer: expected a jr.KeyValueInitializer or jr.TextFileInitializer, got {initializer!r}."
-      )
+    _check_initializer(initializer)
     keys, values = initializer.read()
     if max_key_length is None:
       max_key_length = max(64, _longest(keys)) if initializer.key_dtype is str else 64
@@ -71,7 +67,7 @@ class StaticHashTable(LookupTable):
     keys, values = self._initializer.read()
     table = self._empty(self._initial_capacity)
     if len(keys):
-      table = table.insert(self._key_codec.encode(keys), self._value_codec.encode(values))
+      table = table.import_(self._key_codec.encode(keys), self._value_codec.encode(values))
       if int(table.size) != len(keys):
         raise ValueError(f"initializer: {len(keys) - int(table.size)} duplicate key(s); keys must be unique.")
     return table
@@ -85,13 +81,18 @@ class StaticHashTable(LookupTable):
     raise TypeError(f"{type(self).__name__} is immutable; use jr.MutableHashTable to remove keys.")
 
 
-class StaticVocabularyTable(AutoTrackable):
+class StaticVocabularyTable(StaticHashTable):
   """Keys to ids, with out-of-vocabulary keys hashed into extra buckets.
 
   A key of the vocabulary maps to its value in the initializer (its id); any
   other key maps to ``vocab_size + fingerprint(key) % num_oov_buckets``. The
   fingerprint is a fixed hash of the key's encoding, so ids are stable across
   runs and processes (they differ from TensorFlow's Fingerprint64 ids).
+
+  Reads like every stateful table: ``find`` (and ``vocab[keys]``) gives ids,
+  ``lookup`` gives ``(ids, in_vocab)``. (TensorFlow's ``lookup`` returns the
+  ids alone.) Ids are ``int64``, exact: NumPy arrays on the host with
+  ``jax_enable_x64`` off, word pairs inside ``jit`` (see :mod:`jaxres.keys`).
 
   Args:
     initializer: keys (strings or integers) and their integer ids.
@@ -101,49 +102,54 @@ class StaticVocabularyTable(AutoTrackable):
   Example:
     >>> import jaxres as jr
     >>> vocab = jr.StaticVocabularyTable(jr.KeyValueInitializer(["a", "b"], [0, 1]), num_oov_buckets=3)
-    >>> ids = vocab.lookup(["b", "a", "zebra"])
-    >>> ids[:2].tolist(), 2 <= int(ids[2]) < 5
-    ([1, 0], True)
+    >>> ids, in_vocab = vocab.lookup(["b", "a", "zebra"])
+    >>> ids[:2].tolist(), 2 <= int(ids[2]) < 5, in_vocab.tolist()
+    ([1, 0], True, [True, True, False])
+    >>> vocab["zebra"] == vocab.find(["zebra"])[0]
+    True
   """
 
   def __init__(
     self, initializer, num_oov_buckets: int, *, storage: str = "sorted", device=None, max_key_length=None
   ):
-    if isinstance(num_oov_buckets, bool) or not isinstance(num_oov_buckets, (int, np.integer)):
-      raise TypeError(f"num_oov_buckets: expected an int, got {num_oov_buckets!r}.")
-    if not 1 <= num_oov_buckets <= _MAX_OOV_BUCKETS:  # bucket ids are computed in uint32
-      raise ValueError(
-        f"num_oov_buckets: expected 1 <= num_oov_buckets <= {_MAX_OOV_BUCKETS}, got {num_oov_buckets}."
-      )
+    num_oov_buckets = check_int(num_oov_buckets, "num_oov_buckets", low=1, high=_MAX_OOV_BUCKETS)
+    _check_initializer(initializer)
     if initializer.value_dtype is str or np.dtype(initializer.value_dtype).kind not in "iu":
       raise TypeError(f"initializer: ids must be integers, got {initializer.value_dtype}.")
-    self.table = StaticHashTable(
-      initializer, -1, storage=storage, device=device, max_key_length=max_key_length
-    )
+    super().__init__(initializer, -1, storage=storage, device=device, max_key_length=max_key_length)
     self.num_oov_buckets = num_oov_buckets
 
   @property
   def vocab_size(self) -> int:
     """Keys in the vocabulary (ids of unknown keys start here)."""
-    return len(self.table)
+    return int(super().size())
 
   def size(self) -> int:
     """``vocab_size + num_oov_buckets``: the number of distinct ids."""
     return self.vocab_size + self.num_oov_buckets
 
+  def find(self, keys):
+    """Ids of ``keys``: a vocabulary key's id, or its out-of-vocabulary bucket's."""
+    return self.lookup(keys)[0]
+
   def lookup(self, keys):
-    """Ids of ``keys`` (``int64``; exact, like every 64-bit result of jaxres)."""
-    encoded = self.table._key_codec.encode(keys)
-    ids, found = self.table.lookup(encoded)
-    words, batch = self.table.state._keys(encoded)
-    bucket = (hash_words(words, seed=_FINGERPRINT_SEED) % np.uint32(self.num_oov_buckets)).reshape(batch)
-    oov = bucket + np.uint32(self.vocab_size)
+    """``(ids, in_vocab)``: the ids of ``keys`` and whether each key is in the vocabulary."""
+    with self._life().lock:
+      table = self._current()
+      encoded = self._key_codec.encode(keys)
+      ids, found = table.lookup(encoded)
+      bucket = table.key_spec.hash(encoded, seed=_FINGERPRINT_SEED) % np.uint32(self.num_oov_buckets)
+      oov = bucket + table.size.astype(jnp.uint32)
     if codec.x64_enabled():
-      return jnp.where(found, ids, oov.astype(jnp.int64))
+      return jnp.where(found, ids, oov.astype(jnp.int64)), found
     if codec.is_traced(found):  # word pairs: high word 0, low word the id
       pairs = jnp.stack([jnp.zeros_like(oov), oov], axis=-1)
-      return jnp.where(found[..., None], ids, pairs)
-    return np.where(np.asarray(found), ids, np.asarray(oov).astype(np.int64))
+      return jnp.where(found[..., None], ids, pairs), found
+    return np.where(np.asarray(found), ids, np.asarray(oov).astype(np.int64)), found
 
-  def __repr__(self) -> str:
-    return f"StaticVocabularyTable(vocab_size={self.vocab_size}, num_oov_buckets={self.num_oov_buckets})"
+
+def _check_initializer(initializer) -> None:
+  if not isinstance(initializer, (KeyValueInitializer, TextFileInitializer)):
+    raise TypeError(
+      f"initializer: expected a jr.KeyValueInitializer or jr.TextFileInitializer, got {initializer!r}."
+    )

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 
-from jaxres._tracking.checkpoint import Checkpoint, LoadStatus, check_manifest
+from jaxres._core.args import check_int
+from jaxres._tracking import manifest, restoring
+from jaxres._tracking.checkpoint import Checkpoint, collect
+from jaxres._tracking.status import LoadStatus
 from jaxres._tracking.storage import StepStore, absolute_path
 
 
@@ -41,22 +44,23 @@ class CheckpointManager:
   def __init__(self, directory, checkpoint: Checkpoint, max_to_keep: int | None = None):
     if not isinstance(checkpoint, Checkpoint):
       raise TypeError(f"checkpoint: expected a jr.Checkpoint, got {type(checkpoint).__name__}.")
-    if max_to_keep is not None and (
-      isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
-    ):
-      raise ValueError(f"max_to_keep: expected None or an int >= 1, got {max_to_keep!r}.")
+    if max_to_keep is not None:
+      max_to_keep = check_int(max_to_keep, "max_to_keep", low=1)
     self.directory = absolute_path(directory, "directory")
     self.checkpoint = checkpoint
     self._store = StepStore(self.directory, max_to_keep)
 
   def save(self, step: int) -> None:
-    """Saves the checkpoint's objects as ``step`` (returns once the arrays are copied)."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-      raise ValueError(f"step: expected an int >= 0, got {step!r}.")
+    """Saves the checkpoint's objects as ``step`` (returns once the arrays are copied).
+
+    Raises:
+      TypeError: ``step`` is not an int, or an object cannot be checkpointed.
+      ValueError: ``step`` is negative or already saved.
+    """
+    step = check_int(step, "step", low=0)
     if step in self._store.all_steps():
       raise ValueError(f"step: {step} is already saved in {self.directory}.")
-    manifest, arrays = self.checkpoint._collect()
-    self._store.save(step, manifest, arrays)
+    self._store.save(step, *collect(self.checkpoint.root))
 
   def restore(self, step: int | None = None) -> LoadStatus:
     """Restores ``step`` (the latest when ``None``) into the checkpoint's objects.
@@ -72,8 +76,9 @@ class CheckpointManager:
       step = steps[-1]
     if step not in steps:
       raise ValueError(f"step: {step} is not among the saved steps {steps}.")
-    manifest, arrays = self._store.load(step, check_manifest)
-    return self.checkpoint._apply(manifest, arrays, os.path.join(self.directory, str(step)))
+    label = os.path.join(self.directory, str(step))
+    contents, arrays = self._store.load(step, manifest.check)
+    return restoring.restore(self.checkpoint.root, manifest.Reader(contents, arrays, label))
 
   def latest_step(self) -> int | None:
     """The newest complete step, or ``None``."""

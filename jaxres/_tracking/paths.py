@@ -19,23 +19,13 @@ def escape(name: str) -> str:
   return name
 
 
-def join(*names: str) -> str:
-  """A path from local names: ``join("model", "a.b") == "model/a%2Eb"``."""
-  return "/".join(escape(n) for n in names)
+def unescape(segment: str) -> str:
+  """The local name of one escaped path segment (inverse of :func:`escape`)."""
+  for raw, escaped in reversed(_ESCAPES):
+    segment = segment.replace(escaped, raw)
+  return segment
 
 
-def child(path: str, name: str) -> str:
-  """The path of ``name`` under ``path`` ("" is the root)."""
-  return escape(name) if not path else f"{path}/{escape(name)}"
-
-
-def names(path: str) -> list[str]:
-  """The local names of a path (inverse of :func:`join`)."""
-  if not path:
-    return []
-  out = []
-  for part in path.split("/"):
-    for raw, escaped in reversed(_ESCAPES):
-      part = part.replace(escaped, raw)
-    out.append(part)
-  return out
+def join(path: str, relative: str) -> str:
+  """The path of ``relative`` (escaped segments) under ``path`` ("" is the root)."""
+  return relative if not path else f"{path}/{relative}"

@@ -10,7 +10,6 @@ import numpy as np
 from flax import nnx
 
 import jaxres as jr
-from jaxres._core.hashing import hash_words
 
 _INIT = nnx.initializers.normal(0.05)
 
@@ -62,14 +61,8 @@ class DynamicEmbedding(nnx.Module):
     key_dtype=np.int64,
     init=_INIT,
   ):
-    for name, value, low in (
-      ("num_rows", num_rows, 1),
-      ("features", features, 1),
-      ("num_oov_rows", num_oov_rows, 1),
-    ):
-      if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}: expected an int >= {low}, got {value!r}.")
-    self.num_rows, self.num_oov_rows = num_rows, num_oov_rows
+    self.num_rows, self.num_oov_rows, self.key_dtype = num_rows, num_oov_rows, key_dtype
+    # The table checks num_rows (its initial_capacity) and the key dtype.
     self.ids = jr.MutableHashTable(key_dtype, np.int32, default_value=-1, initial_capacity=num_rows)
     self.rows = nnx.Param(init(rngs.params(), (num_rows + num_oov_rows, features), jnp.float32))
     self.oov_lookups = nnx.Variable(jnp.zeros((), jnp.int32))
@@ -85,7 +78,8 @@ class DynamicEmbedding(nnx.Module):
     before = self.ids.state
     if before.capacity != self.num_rows:
       raise ValueError(f"ids: the table's capacity {before.capacity} differs from num_rows {self.num_rows}.")
-    words, batch_shape = before.key_spec.encode(ids, "ids")
+    hashes = jr.keys.hash(ids, self.key_dtype)  # checks the ids; picks the shared row of a refused id
+    batch_shape = hashes.shape
     size, position = before.size, jnp.arange(int(np.prod(batch_shape)), dtype=jnp.int32)
     table, first = before.find_or_insert(ids, (size + position).reshape(batch_shape))
     first = first.reshape(-1)
@@ -99,8 +93,8 @@ class DynamicEmbedding(nnx.Module):
     self.ids.state = dataclasses.replace(table, dropped=before.dropped)
     oov = first < 0
     self.oov_lookups.set_value(self.oov_lookups.get_value() + jnp.sum(oov, dtype=jnp.int32))
-    bucket = hash_words(words.reshape(-1, before.key_spec.num_words)) % np.uint32(self.num_oov_rows)
-    return jnp.where(oov, self.num_rows + bucket.astype(jnp.int32), rows).reshape(batch_shape)
+    bucket = (hashes.reshape(-1) % np.uint32(self.num_oov_rows)).astype(jnp.int32)
+    return jnp.where(oov, self.num_rows + bucket, rows).reshape(batch_shape)
 
   def __call__(self, ids) -> jax.Array:
     """``float32[*batch, features]``: the rows of ``ids`` (assigning new ones)."""

@@ -1,0 +1,68 @@
+"""Flax NNX objects in the checkpointed graph: modules, optimizers and their variables.
+
+An NNX object (``nnx.Module``, ``nnx.Optimizer``, ``nnx.List``, ...) is a node
+whose children are the variables and trackables of its graph, by their NNX
+paths: ``model/hidden/kernel``, ``model/layers/0/table``,
+``optimizer/opt_state/0/mu/hidden/kernel``. A variable saves its value
+through that value's own handle (an array, a pytree of arrays, or a
+functional table's live entries) and is restored in place. Trackables inside
+the graph (tables and other resources) save themselves; their own variables
+are theirs.
+
+Importing this module registers the adapters (``import jaxres`` does).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax import nnx
+
+from jaxres._shell.trackable import Trackable
+from jaxres._tracking import handles, paths
+
+
+class NnxHandle(handles.Handle):
+  """An NNX graph node: its variables and trackables are its children."""
+
+  kind = "nnx"
+
+  def children(self) -> dict[str, Any]:
+    graph = list(nnx.iter_graph(self.obj))  # each node once, children before parents
+    owned = {path for path, node in graph if path and isinstance(node, Trackable)}
+    found = {}
+    for path, node in graph:
+      if not path or any(path[:k] in owned for k in range(1, len(path))):
+        continue  # this node itself, or what a trackable holds
+      if isinstance(node, Trackable) or (isinstance(node, nnx.Variable) and _value_handle(node) is not None):
+        found["/".join(paths.escape(str(key)) for key in path)] = node
+    return found
+
+
+class VariableHandle(handles.Handle):
+  """An ``nnx.Variable``: its value saves itself; restoring sets the value in place."""
+
+  def __init__(self, variable: nnx.Variable):
+    super().__init__(variable)
+    self._value = _value_handle(variable)
+    self.kind = self._value.kind if self._value is not None else "variable"
+
+  def arrays(self):
+    return self._value.arrays() if self._value is not None else {}
+
+  def holds_values(self) -> bool:
+    return self._value is not None
+
+  def restore(self, arrays):
+    if self._value is None:
+      return super().restore(arrays)
+    new, _ = self._value.restore(arrays)
+    return self.obj, handles.setting(self.obj.set_value, self.obj.get_value(), new)
+
+
+def _value_handle(variable: nnx.Variable) -> handles.Handle | None:
+  return handles.handle_for(variable.get_value(), containers=False)
+
+
+handles.register(nnx.Variable, VariableHandle)
+handles.register(nnx.Pytree, NnxHandle)

@@ -1,0 +1,329 @@
+"""How the tracking layer sees each object of the graph: one :class:`Handle` per object.
+
+A handle gives the object's kind, children and arrays, and restores it. The
+walkers (:mod:`saving`, :mod:`restoring`) only use handles, so they know no
+kind's internals. Handles come from the object itself where it can:
+
+* a :class:`jaxres.Trackable` implements the protocol (:class:`TrackableHandle`);
+* a value with ``_serialize_to_arrays`` and ``_from_arrays`` (a functional
+  table) is restored by replacing it (:class:`ValueHandle`);
+* other types get a handle from an adapter registered for them
+  (:func:`register`; the NNX adapters live in ``jaxres._integrations``);
+* arrays, lists, tuples, dicts and other pytrees of arrays have the handles
+  below.
+
+Objects for which :func:`handle_for` returns ``None`` (numbers, strings,
+callables) are not part of the graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxres._core.pytrees import leaf_names
+from jaxres._shell.trackable import Commit, Trackable
+from jaxres._tracking import paths
+
+ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+CONTAINERS = (list, tuple, dict)
+_ADAPTERS: dict[type, Callable[[Any], Handle]] = {}
+
+
+def register(cls: type, factory: Callable[[Any], Handle]) -> None:
+  """Makes ``factory(obj)`` the handle of objects of ``cls`` (and its subclasses)."""
+  _ADAPTERS[cls] = factory
+
+
+def type_name(obj: Any) -> str:
+  return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+class Handle:
+  """One object of the graph as the tracking layer sees it.
+
+  Attributes:
+    obj: the object.
+    kind: a label saved with the object; a restore refuses another kind.
+    shared: the object has an identity: saved once, its other paths become
+      aliases (values such as arrays are saved at every path instead).
+    strict: every child must be checkpointable (containers): a child that is
+      not raises at save instead of being skipped.
+  """
+
+  kind = ""
+  shared = True
+  strict = False
+
+  def __init__(self, obj: Any):
+    self.obj = obj
+
+  def children(self) -> dict[str, Any]:
+    """Children by relative path (escaped segments joined by ``/``)."""
+    return {}
+
+  def arrays(self) -> Mapping[str, Any]:
+    """The object's own state as named arrays."""
+    return {}
+
+  def holds_values(self) -> bool:
+    """Whether the object may hold arrays of its own (else only its children do)."""
+    return False
+
+  def restore(self, arrays: Mapping[str, np.ndarray]) -> tuple[Any, Commit | None]:
+    """Checks ``arrays``; returns the object for this place afterwards, and the commit that changes it.
+
+    Objects are changed in place by the commit (and returned as they are);
+    values are returned anew (with no commit): whoever holds them replaces them.
+    """
+    if arrays:
+      raise TypeError(f"expected no arrays (a {type(self.obj).__name__} has none), got {sorted(arrays)}.")
+    return self.obj, None
+
+  def replace(self, replaced: dict[str, Any]) -> tuple[Any, list[Commit]]:
+    """Puts restored values in place of the children ``replaced`` (relative path -> new value).
+
+    Returns the object for this place afterwards and the commits that do it.
+    """
+    raise TypeError(f"a {type(self.obj).__name__} cannot replace its children {sorted(replaced)}.")
+
+  def defer(self, relative: str, new_queue: Callable[[], Any]) -> Any | None:
+    """The queue of restores waiting for a child at ``relative`` to be attached, or ``None``."""
+    del relative, new_queue
+    return None
+
+
+class TrackableHandle(Handle):
+  """A :class:`jaxres.Trackable`: the object implements the protocol itself."""
+
+  def __init__(self, obj: Trackable):
+    super().__init__(obj)
+    self.kind = obj._checkpoint_kind
+    self._names: dict[str, str] = {}
+
+  def children(self) -> dict[str, Any]:
+    children = {}
+    for name, child in self.obj._trackable_children().items():
+      self._names[paths.escape(name)] = name
+      children[paths.escape(name)] = child
+    return children
+
+  def arrays(self) -> Mapping[str, Any]:
+    return self.obj._serialize_to_arrays()
+
+  def holds_values(self) -> bool:
+    return type(self.obj)._serialize_to_arrays is not Trackable._serialize_to_arrays
+
+  def restore(self, arrays):
+    return self.obj, self.obj._prepare_restore(arrays)
+
+  def replace(self, replaced):
+    current = self.obj._trackable_children()
+    commits = []
+    for relative, new in replaced.items():
+      name = self._name(relative)
+      commits.append(setting(functools.partial(self.obj._replace_trackable_child, name), current[name], new))
+    return self.obj, commits
+
+  def defer(self, relative, new_queue):
+    return self.obj._defer_restore(self._name(relative), new_queue)
+
+  def _name(self, relative: str) -> str:
+    return self._names.get(relative) or paths.unescape(relative)
+
+
+class ValueHandle(Handle):
+  """An immutable value that saves itself and is restored as a new value (a functional table)."""
+
+  shared = False
+
+  def __init__(self, obj: Any):
+    super().__init__(obj)
+    self.kind = type(obj)._checkpoint_kind
+
+  def arrays(self):
+    return self.obj._serialize_to_arrays()
+
+  def holds_values(self) -> bool:
+    return True
+
+  def restore(self, arrays):
+    return self.obj._from_arrays(arrays), None
+
+
+class ArrayHandle(Handle):
+  """A JAX or NumPy array (or NumPy scalar): restored as a new array of the same type and placement."""
+
+  kind = "array"
+  shared = False
+
+  def arrays(self):
+    return {"value": self.obj}
+
+  def holds_values(self) -> bool:
+    return True
+
+  def restore(self, arrays):
+    if sorted(arrays) != ["value"]:
+      raise TypeError(f"expected one array (an array was saved here), got {sorted(arrays)}.")
+    return _like(self.obj, arrays["value"], "value"), None
+
+
+class PytreeHandle(Handle):
+  """Any other pytree whose leaves are all arrays (named tuples, registered dataclasses, optax states)."""
+
+  kind = "pytree"
+  shared = False
+
+  def arrays(self):
+    return dict(zip(leaf_names(self.obj, "value"), jax.tree.leaves(self.obj)))
+
+  def holds_values(self) -> bool:
+    return True
+
+  def restore(self, arrays):
+    leaves, treedef = jax.tree.flatten(self.obj)
+    names = leaf_names(self.obj, "value")
+    if sorted(arrays) != sorted(names):
+      raise TypeError(f"expected the arrays {names} of a {type(self.obj).__name__}, got {sorted(arrays)}.")
+    return jax.tree.unflatten(treedef, [_like(old, arrays[n], n) for old, n in zip(leaves, names)]), None
+
+
+class ContainerHandle(Handle):
+  """A list or dict of checkpointable objects: its items are children, replaced in place."""
+
+  strict = True
+
+  def __init__(self, obj: list | dict):
+    super().__init__(obj)
+    self.kind = type(obj).__name__
+    self._keys = _item_keys(obj)
+
+  def children(self):
+    return {relative: self.obj[key] for relative, key in self._keys.items()}
+
+  def replace(self, replaced):
+    keys = [self._keys[relative] for relative in replaced]
+    return self.obj, [
+      setting(functools.partial(self.obj.__setitem__, key), self.obj[key], new)
+      for key, new in zip(keys, replaced.values())
+    ]
+
+
+class TupleHandle(Handle):
+  """A tuple of checkpointable objects: immutable, so a restored item makes a new tuple."""
+
+  kind = "tuple"
+  shared = False
+  strict = True
+
+  def children(self):
+    return {str(i): item for i, item in enumerate(self.obj)}
+
+  def replace(self, replaced):
+    return tuple(replaced.get(str(i), item) for i, item in enumerate(self.obj)), []
+
+
+def handle_for(obj: Any, *, containers: bool = True) -> Handle | None:
+  """The handle of ``obj``, or ``None`` when it is not part of the graph.
+
+  With ``containers=False`` lists, tuples and dicts of arrays are one pytree
+  value (as inside an ``nnx.Variable``) rather than containers of children.
+
+  Raises:
+    TypeError: ``obj`` mixes arrays with what cannot be checkpointed (a pytree
+      with a float leaf, or a trackable inside a pytree that is no container).
+  """
+  if isinstance(obj, Trackable):
+    return TrackableHandle(obj)
+  if callable(getattr(type(obj), "_from_arrays", None)):
+    return ValueHandle(obj)
+  adapter = _adapter(type(obj))
+  if adapter is not None:
+    return adapter(obj)
+  if isinstance(obj, ARRAY_TYPES):
+    return ArrayHandle(obj)
+  if containers and type(obj) in CONTAINERS:
+    if not any(_is_content(item) for item in (obj.values() if isinstance(obj, dict) else obj)):
+      return None
+    return TupleHandle(obj) if isinstance(obj, tuple) else ContainerHandle(obj)
+  special = [x for x in jax.tree.leaves(obj, is_leaf=_is_special) if x is not obj and _is_special(x)]
+  if special:
+    raise TypeError(
+      f"a {type(obj).__name__} holding a {type(special[0]).__name__} cannot be checkpointed; "
+      "hold trackables, tables and modules in lists, tuples or dicts."
+    )
+  leaves = jax.tree.leaves(obj)
+  arrays = [isinstance(x, ARRAY_TYPES) for x in leaves]
+  if not any(arrays) or leaves == [obj]:
+    return None
+  if not all(arrays):
+    other = next(x for x, is_array in zip(leaves, arrays) if not is_array)
+    raise TypeError(f"a {type(obj).__name__} of arrays and {type(other).__name__}s cannot be checkpointed.")
+  return PytreeHandle(obj)
+
+
+def _adapter(cls: type):
+  for klass in cls.__mro__:
+    if klass in _ADAPTERS:
+      return _ADAPTERS[klass]
+  return None
+
+
+def _is_special(x: Any) -> bool:
+  """Objects with handles of their own, which a generic pytree must not take apart."""
+  has_handle = _adapter(type(x)) is not None or callable(getattr(type(x), "_from_arrays", None))
+  return isinstance(x, Trackable) or has_handle
+
+
+def _is_content(item: Any) -> bool:
+  try:
+    return handle_for(item) is not None
+  except TypeError:
+    return True  # checkpointable in part: the item's own path will name the problem
+
+
+def _item_keys(obj: list | dict) -> dict[str, Any]:
+  """Relative path -> list index or dict key."""
+  if isinstance(obj, list):
+    return {str(i): i for i in range(len(obj))}
+  keys = {}
+  for key in obj:
+    if isinstance(key, bool) or not isinstance(key, (str, int)) or key == "":
+      raise TypeError(f"dict keys must be non-empty str or int to be checkpointed, got {key!r}.")
+    relative = paths.escape(str(key))
+    if relative in keys:
+      raise TypeError(f"dict keys {keys[relative]!r} and {key!r} have the same name {str(key)!r}.")
+    keys[relative] = key
+  return keys
+
+
+def setting(set_value: Callable[[Any], None], old: Any, new: Any) -> Commit:
+  """The commit that calls ``set_value(new)``; its undo calls ``set_value(old)``."""
+
+  def commit():
+    set_value(new)
+    return lambda: set_value(old)
+
+  return commit
+
+
+def _like(old: Any, saved: np.ndarray, name: str) -> Any:
+  """``saved`` as an array like ``old``: same shape and dtype (checked), type and placement."""
+  saved = np.asarray(saved)
+  dtype = np.dtype(getattr(old, "dtype", None) or np.asarray(old).dtype)
+  if saved.shape != np.shape(old) or saved.dtype != dtype:
+    raise ValueError(
+      f"{name}: the checkpoint holds {saved.dtype}{list(saved.shape)}, "
+      f"the object is {dtype}{list(np.shape(old))}."
+    )
+  if isinstance(old, jax.Array):
+    return jax.device_put(saved, old.sharding) if old.committed else jnp.asarray(saved)
+  if isinstance(old, np.generic):
+    return saved[()]
+  return np.array(saved)

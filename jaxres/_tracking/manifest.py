@@ -1,0 +1,111 @@
+"""The manifest of a checkpoint: its object graph, checked on reading, and the reader of a loaded one.
+
+One node per object path::
+
+  {"kind": "table", "type": "jaxres...MutableHashTable",
+   "arrays": {"keys": "e0", "values": "e1"}, "children": ["a", "b%2Ec"]}
+
+``arrays`` maps the object's array names to opaque storage keys (described,
+with shape, dtype and checksum, under the manifest's ``arrays``);
+``children`` are relative paths. An object reached through a second path is
+saved once: that path's node is ``{"alias": "<first path>"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from jaxres._tracking import paths
+
+MANIFEST = "manifest.json"
+FORMAT = "jaxres.checkpoint"
+VERSION = 2
+
+
+def build(nodes: dict[str, dict], specs: dict[str, dict]) -> dict:
+  """A manifest from the graph's nodes and the specs of its arrays."""
+  return {"format": FORMAT, "version": VERSION, "nodes": nodes, "arrays": specs}
+
+
+def read(directory: str) -> dict:
+  """The manifest of a checkpoint directory, checked (see :func:`check`)."""
+  path = os.path.join(directory, MANIFEST)
+  try:
+    with open(path, encoding="utf-8") as f:
+      manifest = json.load(f)
+  except (FileNotFoundError, NotADirectoryError):
+    raise ValueError(f"{directory}: not a jaxres checkpoint (no {MANIFEST}).") from None
+  except json.JSONDecodeError as err:
+    raise ValueError(f"{path}: corrupted manifest ({err}).") from None
+  return check(manifest, path)
+
+
+def check(manifest: Any, label: str) -> dict:
+  """``manifest`` if it is a well-formed manifest of the version this jaxres reads.
+
+  Raises:
+    ValueError: another format, another version, or a malformed graph.
+  """
+  if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    raise ValueError(f"{label}: not a jaxres checkpoint manifest.")
+  version = manifest.get("version")
+  if not isinstance(version, int) or version > VERSION:
+    raise ValueError(f"{label}: format version {version!r} is newer than this jaxres reads ({VERSION}).")
+  if version < VERSION:
+    raise ValueError(
+      f"{label}: format version {version} was written by an earlier jaxres, before the save/restore "
+      f"protocol (version {VERSION}); restore it with that release and save it again."
+    )
+  problem = _graph_problem(manifest.get("nodes"), manifest.get("arrays"))
+  if problem:
+    raise ValueError(f"{label}: corrupted manifest ({problem}).")
+  return manifest
+
+
+def _graph_problem(nodes: Any, specs: Any) -> str | None:
+  if not isinstance(nodes, dict) or "" not in nodes or not isinstance(specs, dict):
+    return "no object graph"
+  for path, node in nodes.items():
+    if not isinstance(node, dict):
+      return f"node {path!r} is not an object"
+    if "alias" in node:
+      target = node["alias"]
+      if (
+        not isinstance(target, str) or not isinstance(nodes.get(target), dict) or "kind" not in nodes[target]
+      ):
+        return f"node {path!r} is an alias of no node"
+      continue
+    fields = (node.get("kind"), node.get("type"), node.get("arrays"), node.get("children"))
+    if not all(isinstance(x, t) for x, t in zip(fields, (str, str, dict, list))):
+      return f"node {path!r} lacks its kind, type, arrays or children"
+    if any(key not in specs for key in node["arrays"].values()):
+      return f"node {path!r} names arrays that are not described"
+    if any(not isinstance(c, str) or paths.join(path, c) not in nodes for c in node["children"]):
+      return f"node {path!r} has children that are not nodes"
+  return None
+
+
+class Reader:
+  """A loaded checkpoint: its nodes and arrays, read through aliases."""
+
+  def __init__(self, manifest: dict, arrays: dict[str, np.ndarray], label: str):
+    self.nodes, self._arrays, self.label = manifest["nodes"], arrays, label
+
+  def canonical(self, path: str) -> str:
+    """The path the object at ``path`` was saved under (its first path)."""
+    return self.nodes[path].get("alias", path)
+
+  def node(self, path: str) -> dict:
+    return self.nodes[self.canonical(path)]
+
+  def arrays(self, path: str) -> dict[str, np.ndarray]:
+    """The arrays of the object saved at ``path``, by name."""
+    return {name: self._arrays[key] for name, key in self.node(path)["arrays"].items()}
+
+  def valued(self) -> list[str]:
+    """The paths of objects that hold arrays of their own."""
+    return [path for path, node in self.nodes.items() if node.get("arrays")]

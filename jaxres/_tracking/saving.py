@@ -1,0 +1,80 @@
+"""Saving: the object graph walked breadth first into manifest nodes and host arrays.
+
+Breadth first, so an object reachable through several paths is saved under
+its shortest (the first met) and its other paths become aliases.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import numpy as np
+
+from jaxres._tracking import paths
+from jaxres._tracking.handles import Handle, handle_for, type_name
+
+_SAVABLE = "biufc"  # bool, integer, float and complex arrays
+
+
+def collect(root: Any) -> tuple[dict[str, dict], dict[str, np.ndarray]]:
+  """``(nodes, arrays)`` of the graph below ``root``: manifest nodes and host copies of the arrays.
+
+  Raises:
+    TypeError: naming the path of an object that is reachable but cannot be
+      checkpointed, or of an array of another dtype than numbers and bools.
+  """
+  root_handle = _handle(root, "")
+  if root_handle is None:
+    raise TypeError(f"root: cannot checkpoint a {type(root).__name__}.")
+  nodes: dict[str, dict] = {}
+  arrays: dict[str, np.ndarray] = {}
+  first_path: dict[int, str] = {}
+  held = []  # keeps each shared object alive (and its id unique) during the walk
+  queue = collections.deque([("", root_handle)])
+  while queue:
+    path, handle = queue.popleft()
+    if handle.shared:
+      if id(handle.obj) in first_path:
+        nodes[path] = {"alias": first_path[id(handle.obj)]}
+        continue
+      first_path[id(handle.obj)] = path
+      held.append(handle.obj)
+    node = {"kind": handle.kind, "type": type_name(handle.obj), "arrays": {}, "children": []}
+    for name, value in handle.arrays().items():
+      key = f"e{len(arrays)}"
+      arrays[key] = _host_copy(value, name, path)
+      node["arrays"][name] = key
+    for relative, child in handle.children().items():
+      child_path = paths.join(path, relative)
+      child_handle = _handle(child, child_path)
+      if child_handle is None:
+        if handle.strict and child is not None:
+          raise TypeError(
+            f"{child_path}: cannot checkpoint a {type(child).__name__} (checkpoints hold trackables, tables, "
+            "NNX objects, arrays, and lists, tuples and dicts of them)."
+          )
+        continue
+      node["children"].append(relative)
+      queue.append((child_path, child_handle))
+    nodes[path] = node
+  return nodes, arrays
+
+
+def _handle(obj: Any, path: str) -> Handle | None:
+  try:
+    return handle_for(obj)
+  except TypeError as err:
+    raise TypeError(f"{path}: {err}") from None
+
+
+def _host_copy(value: Any, name: str, path: str) -> np.ndarray:
+  """A NumPy copy: the save may finish asynchronously, after a jitted update donated the source."""
+  if not isinstance(name, str) or not name:
+    raise TypeError(f"{path}: array names must be non-empty str, got {name!r}.")
+  array = np.array(value, copy=True)
+  if array.dtype.kind not in _SAVABLE:
+    raise TypeError(
+      f"{path}: array {name!r} has dtype {array.dtype}; checkpoints hold numbers and bools only."
+    )
+  return array
