@@ -287,3 +287,71 @@ def test_device_placement_of_the_state():
   table = jr.MutableHashTable(np.int32, np.float32, default_value=0.0, device=device)
   table.insert(np.array([1], np.int32), np.array([2.0], np.float32))
   assert {d for leaf in jax.tree.leaves(table.state) for d in leaf.devices()} == {device}
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_composite_keys_match_a_dict_of_tuples(storage, tmp_path):
+  pair = jax.ShapeDtypeStruct((2,), np.int64)
+  table = jr.MutableHashTable(pair, np.int32, default_value=-1, initial_capacity=4, storage=storage)
+  assert repr(table).startswith("MutableHashTable(key=int64[2], value=int32")
+  rng = np.random.default_rng(3)
+  model = {}
+  for _ in range(20):
+    keys = rng.integers(-2, 3, size=(6, 2)) * np.array([1, 2**40])  # the second element needs 64 bits
+    values = rng.integers(-100, 100, size=6).astype(np.int32)
+    rows = [tuple(row) for row in keys.tolist()]
+    op = rng.choice(["insert", "remove", "find"])
+    if op == "insert":
+      table.insert(keys, values)
+      model.update(zip(rows, values.tolist()))
+    elif op == "remove":
+      table.remove(keys)
+      for row in rows:
+        model.pop(row, None)
+    else:
+      assert table.find(keys).tolist() == [model.get(row, -1) for row in rows]
+      assert table[keys].tolist() == table.find(keys).tolist()
+    exported_keys, exported_values = table.export()
+    assert [tuple(row) for row in exported_keys.tolist()] == sorted(model)
+    assert exported_values.tolist() == [model[row] for row in sorted(model)]
+  path = jr.Checkpoint(model=table).save(tmp_path / "ckpt")
+  fresh = jr.MutableHashTable(pair, np.int32, default_value=-1, initial_capacity=2, storage=storage)
+  jr.Checkpoint(model=fresh).restore(path).assert_consumed()
+  assert [tuple(row) for row in fresh.export()[0].tolist()] == sorted(model)
+
+
+def test_a_composite_key_is_one_entry_never_two_scalars():
+  """Issue 13, defect 7: a (2,) key spec became a scalar-key table; [[0, 1]] -> [[7, 8]] made two entries."""
+  table = jr.MutableHashTable(
+    jax.ShapeDtypeStruct((2,), jnp.int32), jnp.int32, default_value=np.zeros(2, np.int32)
+  )
+  table.insert(np.array([[0, 1]], np.int32), np.array([[7, 8]], np.int32))
+  assert len(table) == 1 and table.find(np.array([[0, 1], [1, 0]], np.int32)).tolist() == [[7, 8], [0, 0]]
+  assert table.find(np.array([0, 1], np.int32)).tolist() == [7, 8]  # one key without a batch axis
+  with pytest.raises(ValueError, match=r"keys: expected shape \(\*batch, 2\)"):
+    table.find(np.array([0, 1, 2], np.int32))
+  scalar_values = jr.MutableHashTable(jax.ShapeDtypeStruct((2,), jnp.int32), jnp.int32, default_value=-1)
+  with pytest.raises(ValueError, match="values"):
+    scalar_values.insert(np.array([[0, 1]], np.int32), np.array([[7, 8]], np.int32))
+  assert len(scalar_values) == 0
+
+
+@pytest.mark.parametrize(
+  ("spec", "error"),
+  [
+    (jax.ShapeDtypeStruct((2,), jnp.float32), TypeError),
+    (jax.ShapeDtypeStruct((0,), jnp.int32), ValueError),
+    (jax.ShapeDtypeStruct((2,), jnp.bool_), TypeError),
+  ],
+)
+def test_a_key_spec_the_table_cannot_honour_is_refused(spec, error):
+  with pytest.raises(error, match="key"):
+    jr.MutableHashTable(spec, jnp.int32, default_value=-1)
+
+
+def test_indexing_is_find_for_every_stateful_table():
+  table = jr.MutableHashTable(str, np.int32, default_value=-1)
+  table.insert(["a"], np.array([4], np.int32))
+  static = jr.StaticHashTable(jr.KeyValueInitializer(["a", "b"], [1, 2]), default_value=0)
+  for t in (table, static):
+    assert t[["a", "zz"]].tolist() == t.find(["a", "zz"]).tolist()

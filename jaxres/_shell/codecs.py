@@ -7,6 +7,8 @@ and the core's results back into what the user gave.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,7 +88,7 @@ class KeyCodec(_Codec, _StringRows):
   def order(self, keys: np.ndarray) -> np.ndarray:
     """The permutation that sorts decoded host keys."""
     if keys.ndim > 1:  # composite keys: lexicographic over the elements
-      return np.lexsort(keys.reshape(keys.shape[0], -1).T[::-1])
+      return np.lexsort(keys.reshape(keys.shape[0], math.prod(keys.shape[1:])).T[::-1])
     return np.argsort(keys, kind="stable")
 
 

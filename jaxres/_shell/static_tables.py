@@ -105,7 +105,7 @@ class StaticVocabularyTable(StaticHashTable):
     >>> ids, in_vocab = vocab.lookup(["b", "a", "zebra"])
     >>> ids[:2].tolist(), 2 <= int(ids[2]) < 5, in_vocab.tolist()
     ([1, 0], True, [True, True, False])
-    >>> vocab["zebra"] == vocab.find(["zebra"])[0]
+    >>> vocab[["zebra"]].tolist() == vocab.find(["zebra"]).tolist()
     True
   """
 

@@ -26,7 +26,7 @@ class Trackable:
 
   Subclass it to checkpoint an object with state of its own (a tokenizer's
   vocabulary, a Python counter): ``_serialize_to_arrays`` returns the state as
-  named arrays, ``_restore_from_arrays`` puts it back. Restore calls it only
+  named arrays of numbers or bools, ``_restore_from_arrays`` puts it back. Restore calls it only
   after the arrays were read and checked against the checkpoint's checksums,
   and with deferred restore, load-status accounting and error handling as
   for every built-in kind: when it raises, the object is left as it was (its
@@ -37,10 +37,11 @@ class Trackable:
     >>> class Tokenizer(jr.Trackable):
     ...   def __init__(self, words=()):
     ...     self.ids = {word: i for i, word in enumerate(words)}
-    ...   def _serialize_to_arrays(self):
-    ...     return {"words": np.array(list(self.ids), dtype=np.bytes_)}
+    ...   def _serialize_to_arrays(self):  # arrays of numbers: the words as UTF-8 lines
+    ...     return {"words": np.frombuffer("\\n".join(self.ids).encode(), np.uint8)}
     ...   def _restore_from_arrays(self, arrays):
-    ...     self.ids = {word.decode(): i for i, word in enumerate(arrays["words"].tolist())}
+    ...     words = arrays["words"].tobytes().decode().split("\\n")
+    ...     self.ids = {word: i for i, word in enumerate(words)}
     >>> root = jr.AutoTrackable()
     >>> root.tokenizer = Tokenizer(["the", "quick", "fox"])
     >>> path = jr.Checkpoint(model=root).save(tempfile.mkdtemp() + "/ckpt")

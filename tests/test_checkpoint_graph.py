@@ -1,0 +1,455 @@
+"""The checkpointed object graph: containers, shared objects, restore order and the save/restore protocol.
+
+Each defect a TensorFlow user met (issue 13) has a test here that failed
+before the protocol and passes now; the expected values come from the objects
+as they were saved.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxres as jr
+
+
+def _save(tmp_path, name="ckpt", **children):
+  return jr.Checkpoint(**children).save(tmp_path / name)
+
+
+def _paths(path):
+  return [entry["path"] for entry in jr.inspect_checkpoint(path)]
+
+
+def _table(**entries):
+  table = jr.MutableHashTable(np.int32, np.float32, default_value=-1.0, initial_capacity=8)
+  if entries:
+    keys = np.array([int(k[1:]) for k in entries], np.int32)
+    table.insert(keys, np.array(list(entries.values()), np.float32))
+  return table
+
+
+def _holder(**attributes):
+  obj = jr.AutoTrackable()
+  for name, value in attributes.items():
+    setattr(obj, name, value)
+  return obj
+
+
+# ------------------------------------------------------------------ containers
+
+
+def test_a_list_of_trackables_is_saved_and_restored(tmp_path):
+  """Defect 1: ``root.subs = [sub]`` lost ``sub.w`` without a word."""
+  root = _holder(subs=[_holder(w=jnp.array(3.0))])
+  path = _save(tmp_path, model=root)
+  assert "model/subs/0/w" in _paths(path)
+  fresh = _holder(subs=[_holder(w=jnp.array(0.0))])
+  jr.Checkpoint(model=fresh).restore(path).assert_consumed()
+  assert float(fresh.subs[0].w) == 3.0
+  deferred = jr.Checkpoint(model=jr.AutoTrackable())
+  status = deferred.restore(path)
+  deferred.model.subs = [jr.AutoTrackable()]  # the list is restored on attach, its item's child later
+  assert status.pending == ["model/subs/0/w"]
+  deferred.model.subs[0].w = jnp.array(0.0)
+  assert float(deferred.model.subs[0].w) == 3.0 and status.pending == []
+  status.assert_consumed()
+
+
+def test_dicts_tuples_and_nested_containers(tmp_path):
+  root = _holder(
+    tables={"user": _table(k1=1.0), "item": _table(k2=2.0)},
+    pair=(jnp.array([1, 2]), _holder(n=jnp.array(5))),
+    nested=[{"a": jnp.ones(2)}, [jnp.array(7)]],
+  )
+  path = _save(tmp_path, model=root)
+  assert {
+    "model/tables/user",
+    "model/tables/item",
+    "model/pair/0",
+    "model/pair/1/n",
+    "model/nested/1/0",
+  } <= set(_paths(path))
+  fresh = _holder(
+    tables={"user": _table(), "item": _table()},
+    pair=(jnp.zeros(2, jnp.int32), _holder(n=jnp.array(0))),
+    nested=[{"a": jnp.zeros(2)}, [jnp.array(0)]],
+  )
+  holder, inner = fresh.pair[1], fresh.nested[0]
+  jr.Checkpoint(model=fresh).restore(path).assert_consumed()
+  assert fresh.tables["user"].find(np.array([1], np.int32)).tolist() == [1.0]
+  assert fresh.tables["item"][np.array([2], np.int32)].tolist() == [2.0]
+  assert fresh.pair[0].tolist() == [1, 2] and fresh.pair[1] is holder and int(holder.n) == 5
+  assert fresh.nested[0] is inner and inner["a"].tolist() == [1.0, 1.0] and int(fresh.nested[1][0]) == 7
+
+
+def test_containers_held_by_an_nnx_module(tmp_path):
+  class Layer(nnx.Module):
+    def __init__(self, seed):
+      self.dense = nnx.Linear(2, 2, rngs=nnx.Rngs(seed))
+      self.table = _table()
+
+  class Tower(nnx.Module):
+    def __init__(self, seed):
+      self.layers = nnx.List([Layer(seed), Layer(seed + 1)])
+      self.tables = nnx.Dict({"user": _table()})
+
+  model = Tower(0)
+  model.layers[1].table.insert(np.array([4], np.int32), np.array([0.5], np.float32))
+  model.tables["user"].insert(np.array([9], np.int32), np.array([9.5], np.float32))
+  path = _save(tmp_path, model=model)
+  assert {"model/layers/0/table", "model/layers/1/dense/kernel", "model/tables/user"} <= set(_paths(path))
+  fresh = Tower(5)
+  jr.Checkpoint(model=fresh).restore(path).assert_consumed()
+  assert fresh.layers[1].table.find(np.array([4], np.int32)).tolist() == [0.5]
+  assert fresh.tables["user"].find(np.array([9], np.int32)).tolist() == [9.5]
+  np.testing.assert_array_equal(
+    fresh.layers[1].dense.kernel.get_value(), model.layers[1].dense.kernel.get_value()
+  )
+
+
+def test_a_functional_table_in_an_nnx_variable_saves_its_live_entries(tmp_path):
+  class Model(nnx.Module):
+    def __init__(self, capacity):
+      self.ids = nnx.Variable(jr.OpenAddressingTable.create(capacity, key=jnp.int32, value=jnp.float32))
+
+  model = Model(1 << 12)
+  model.ids.set_value(model.ids.get_value().insert(jnp.arange(5), jnp.arange(5.0)))
+  path = _save(tmp_path, model=model)
+  (entry,) = [e for e in jr.inspect_checkpoint(path) if e["path"] == "model/ids"]
+  assert entry["kind"] == "table" and entry["arrays"][0]["shape"] == [5]  # entries, not capacity
+  small = Model(8)
+  jr.Checkpoint(model=small).restore(path).assert_consumed()
+  assert small.ids.get_value().capacity == 8
+  assert small.ids.get_value().find(jnp.arange(6)).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 0.0]
+
+
+@pytest.mark.parametrize(
+  ("value", "path"),
+  [
+    ([_table(), "name"], "model/items/1"),
+    ({"w": jnp.ones(2), "lr": 0.1}, "model/items/lr"),
+    ((jnp.ones(2), object()), "model/items/1"),
+    ([{"deep": [jnp.ones(1), 3]}], "model/items/0/deep/1"),
+  ],
+)
+def test_what_cannot_be_saved_is_a_type_error_naming_its_path(tmp_path, value, path):
+  with pytest.raises(TypeError, match=path):
+    _save(tmp_path, model=_holder(items=value))
+  assert not (tmp_path / "ckpt").exists()
+
+
+def test_values_that_are_not_graph_content_are_not_saved(tmp_path):
+  root = _holder(sizes=[1, 2, 3], name="run", config={"lr": 0.1}, step=jnp.array(2))
+  assert _paths(_save(tmp_path, model=root)) == ["", "model", "model/step"]
+
+
+def test_a_container_of_another_kind_is_refused(tmp_path):
+  path = _save(tmp_path, model=_holder(items=[jnp.ones(2)]))
+  fresh = jr.Checkpoint(model=jr.AutoTrackable())
+  fresh.restore(path)
+  with pytest.raises(TypeError, match="model/items: the checkpoint holds a list"):
+    fresh.model.items = (jnp.zeros(2),)
+  assert not hasattr(fresh.model, "items")
+
+
+# -------------------------------------------------------------- shared objects
+
+
+def _shared_graph(value=5.0):
+  shared = _holder(var=jnp.array(value))
+  return _holder(dep_one=_holder(x=shared), dep_two=_holder(dep_three=_holder(x=shared)))
+
+
+def _split_graph():
+  return _holder(
+    dep_one=_holder(x=_holder(var=jnp.array(0.0))),
+    dep_two=_holder(dep_three=_holder(x=_holder(var=jnp.array(0.0)))),
+  )
+
+
+def test_a_shared_object_is_saved_once(tmp_path):
+  _save(tmp_path, root=_shared_graph())
+  nodes = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["nodes"]
+  assert nodes["dep_two/dep_three/x"] == {"alias": "dep_one/x"}
+  assert "dep_two/dep_three/x/var" not in nodes
+
+
+def test_shared_in_the_checkpoint_and_distinct_now_restores_both(tmp_path):
+  """Defect 2: a raw ``KeyError: 'dep_two/dep_three/var'``, nothing restored."""
+  path = _save(tmp_path, root=_shared_graph())
+  program = _split_graph()
+  status = jr.Checkpoint(root=program).restore(path)
+  assert float(program.dep_one.x.var) == 5.0 and float(program.dep_two.dep_three.x.var) == 5.0
+  with pytest.raises(AssertionError, match=r"shared differently .*dep_two/dep_three/x"):
+    status.assert_existing_objects_matched()
+
+
+def test_an_existing_object_is_restored_through_any_of_its_paths(tmp_path):
+  """Defect 3: a table saved under a/t and b/t stayed empty while only b/t existed."""
+  table = _table(k1=1.5)
+  path = _save(tmp_path, root=_holder(a=_holder(t=table), b=_holder(t=table)))
+  restored = _table()
+  program = _holder(b=_holder(t=restored))
+  status = jr.Checkpoint(root=program).restore(path)
+  assert restored.find(np.array([1], np.int32)).tolist() == [1.5]
+  assert status.pending == ["a"]
+  status.assert_existing_objects_matched().assert_consumed()
+  program.a = _holder(t=restored)  # the same object under its other path: nothing to add
+  assert status.pending == []
+  status.assert_existing_objects_matched()
+
+
+def test_deferred_shared_objects_are_all_restored_and_reported(tmp_path):
+  """Defect 4: the second object kept its initial value, and no assertion noticed."""
+  path = _save(tmp_path, root=_shared_graph())
+  program = jr.AutoTrackable()
+  status = jr.Checkpoint(root=program).restore(path)
+  program.dep_one = _holder(x=_holder())
+  program.dep_one.x.var = jnp.array(0.0)
+  program.dep_two = _holder(dep_three=_holder(x=_holder()))
+  program.dep_two.dep_three.x.var = jnp.array(0.0)
+  assert float(program.dep_one.x.var) == 5.0 and float(program.dep_two.dep_three.x.var) == 5.0
+  assert status.pending == []
+  with pytest.raises(AssertionError, match="shared differently"):
+    status.assert_existing_objects_matched()
+  with pytest.raises(AssertionError, match="shared differently"):
+    status.assert_consumed()
+
+
+def test_one_object_now_where_the_checkpoint_had_two_is_reported(tmp_path):
+  path = _save(tmp_path, root=_holder(a=_table(k1=1.0), b=_table(k1=2.0)))
+  one = _table()
+  status = jr.Checkpoint(root=_holder(a=one, b=one)).restore(path)
+  assert one.find(np.array([1], np.int32)).tolist() == [1.0]  # from its first path
+  with pytest.raises(AssertionError, match=r"shared differently .*\['b'\]"):
+    status.assert_existing_objects_matched()
+
+
+def test_nodes_without_values_do_not_fail_assert_consumed(tmp_path):
+  """Defect 5: pure containers were reported as checkpoint values with no object."""
+  path = _save(tmp_path, root=_holder(c=_holder(inner=jr.AutoTrackable()), empty=[]))
+  status = jr.Checkpoint(root=jr.AutoTrackable()).restore(path)
+  status.assert_consumed()
+  assert status.pending == ["c"]
+  path = _save(tmp_path, "valued", root=_holder(c=_holder(inner=_holder(v=jnp.ones(1)))))
+  with pytest.raises(AssertionError, match=r"c/inner/v"):
+    jr.Checkpoint(root=jr.AutoTrackable()).restore(path).assert_consumed()
+
+
+@pytest.mark.parametrize("attach_later_restore_first", [False, True])
+def test_the_later_restore_wins_whatever_the_attach_order(tmp_path, attach_later_restore_first):
+  """Defect 6: two roots, two checkpoints, one object attached under both."""
+  first = _save(tmp_path, "first", root=_holder(x=_holder(v=jnp.array(1.0), t=_table(k1=1.0))))
+  second = _save(tmp_path, "second", root=_holder(x=_holder(v=jnp.array(2.0), t=_table(k1=2.0))))
+  earlier, later = jr.AutoTrackable(), jr.AutoTrackable()
+  jr.Checkpoint(root=earlier).restore(first)
+  jr.Checkpoint(root=later).restore(second)
+  obj = _holder(v=jnp.array(0.0), t=_table())
+  for root in (later, earlier) if attach_later_restore_first else (earlier, later):
+    root.x = obj
+  assert float(obj.v) == 2.0 and obj.t.find(np.array([1], np.int32)).tolist() == [2.0]
+
+
+def test_the_later_restore_wins_on_one_root(tmp_path):
+  first = _save(tmp_path, "first", root=_holder(x=_holder(v=jnp.array(1.0))))
+  second = _save(tmp_path, "second", root=_holder(x=_holder(v=jnp.array(2.0))))
+  root = jr.AutoTrackable()
+  one, two = jr.Checkpoint(root=root).restore(first), jr.Checkpoint(root=root).restore(second)
+  root.x = _holder(v=jnp.array(0.0))
+  assert float(root.x.v) == 2.0
+  assert one.pending == two.pending == []  # both restores found their object
+  one.assert_consumed()
+  two.assert_consumed()
+
+
+# ---------------------------------------------------------------- the protocol
+
+
+class Tokenizer(jr.Trackable):
+  """A user's kind with Python state: a vocabulary dict (words as UTF-8 bytes, one per line)."""
+
+  def __init__(self, words=()):
+    self.ids = {word: i for i, word in enumerate(words)}
+    self.restores = 0
+
+  def _serialize_to_arrays(self):
+    text = "\n".join(self.ids).encode()
+    return {"words": np.frombuffer(text, np.uint8), "count": np.array(len(self.ids))}
+
+  def _restore_from_arrays(self, arrays):
+    words = arrays["words"].tobytes().decode().split("\n") if int(arrays["count"]) else []
+    self.ids = {word: i for i, word in enumerate(words)}
+    self.restores += 1
+
+
+class StrictTokenizer(Tokenizer):
+  """Refuses a vocabulary over ``limit`` words, after clobbering its state (the worst case)."""
+
+  limit = 2
+
+  def _restore_from_arrays(self, arrays):
+    if int(arrays["count"]) > self.limit and self.ids:  # a real restore, not the undo
+      self.ids = {}
+      raise ValueError(f"a vocabulary of {int(arrays['count'])} words is over the limit of {self.limit}")
+    super()._restore_from_arrays(arrays)
+
+
+def test_a_user_trackable_with_python_state_round_trips(tmp_path):
+  path = _save(tmp_path, model=_holder(tokenizer=Tokenizer(["the", "quick", "fox"])))
+  existing = _holder(tokenizer=Tokenizer(["other"]))
+  jr.Checkpoint(model=existing).restore(path).assert_consumed()
+  assert existing.tokenizer.ids == {"the": 0, "quick": 1, "fox": 2}
+  fresh = jr.Checkpoint(model=jr.AutoTrackable())
+  status = fresh.restore(path)
+  assert status.pending == ["model/tokenizer"]
+  fresh.model.tokenizer = Tokenizer()
+  assert fresh.model.tokenizer.ids == {"the": 0, "quick": 1, "fox": 2}
+  status.assert_consumed()
+
+
+def test_a_failing_restore_from_arrays_names_the_path_and_changes_nothing(tmp_path):
+  path = _save(tmp_path, model=_holder(table=_table(k1=1.0), tokenizer=Tokenizer(["a", "b", "c"])))
+  table, tokenizer = _table(k7=7.0), StrictTokenizer(["x"])
+  with pytest.raises(ValueError, match="model/tokenizer: a vocabulary of 3 words is over the limit"):
+    jr.Checkpoint(model=_holder(table=table, tokenizer=tokenizer)).restore(path)
+  assert tokenizer.ids == {"x": 0}  # its own snapshot was put back
+  assert table.find(np.array([1, 7], np.int32)).tolist() == [-1.0, 7.0]  # restored, then undone
+  fresh = jr.Checkpoint(model=jr.AutoTrackable())
+  status = fresh.restore(path)
+  strict = StrictTokenizer(["y"])
+  with pytest.raises(ValueError, match="model/tokenizer"):
+    fresh.model.tokenizer = strict
+  assert not hasattr(fresh.model, "tokenizer") and strict.ids == {"y": 0}
+  assert "model/tokenizer" in status.pending
+
+
+class Histogram(jr.Trackable):
+  """A kind defined here, with children and a label of its own: it plugs in without the tracking layer."""
+
+  _checkpoint_kind = "histogram"
+
+  def __init__(self, bins):
+    self.counts = np.zeros(bins, np.int64)
+    self.labels = jr.AutoTrackable()
+
+  def _trackable_children(self):
+    return {"labels": self.labels}
+
+  def _serialize_to_arrays(self):
+    return {"counts": self.counts}
+
+  def _restore_from_arrays(self, arrays):
+    if arrays["counts"].shape != self.counts.shape:
+      raise ValueError(f"expected {self.counts.shape[0]} bins, got {arrays['counts'].shape[0]}")
+    self.counts = arrays["counts"].copy()
+
+
+def test_a_new_kind_plugs_in_through_the_protocol(tmp_path):
+  histogram = Histogram(3)
+  histogram.counts += [1, 5, 2]
+  histogram.labels.names = jnp.array([10, 20, 30])
+  path = _save(tmp_path, model=_holder(hist=histogram))
+  assert [e["kind"] for e in jr.inspect_checkpoint(path) if e["path"] == "model/hist"] == ["histogram"]
+  fresh = _holder(hist=Histogram(3))
+  fresh.hist.labels.names = jnp.zeros(3, jnp.int32)
+  jr.Checkpoint(model=fresh).restore(path).assert_consumed()
+  assert fresh.hist.counts.tolist() == [1, 5, 2] and fresh.hist.labels.names.tolist() == [10, 20, 30]
+  with pytest.raises(ValueError, match="model/hist: expected 4 bins, got 3"):
+    jr.Checkpoint(model=_holder(hist=Histogram(4))).restore(path)
+  with pytest.raises(TypeError, match=r"model/hist: the checkpoint holds a Histogram \(kind histogram\)"):
+    jr.Checkpoint(model=_holder(hist=Tokenizer())).restore(path)
+
+
+def test_arrays_that_orbax_cannot_store_are_refused_at_save(tmp_path):
+  class Named(jr.Trackable):
+    def _serialize_to_arrays(self):
+      return {"names": np.array(["a", "b"])}
+
+  with pytest.raises(TypeError, match=r"model/named: array 'names' has dtype <U1"):
+    _save(tmp_path, model=_holder(named=Named()))
+
+
+# ----------------------------------------------------------- kinds and values
+
+
+def test_functional_and_stateful_table_checkpoints_are_interchangeable(tmp_path):
+  functional = jr.OpenAddressingTable.create(16, key=jnp.int32, value=jnp.float32, default=-1.0)
+  functional = functional.insert(jnp.array([1, 2]), jnp.array([1.5, 2.5]))
+  path = _save(tmp_path, model=_holder(table=functional))
+  stateful = _holder(table=_table())
+  jr.Checkpoint(model=stateful).restore(path).assert_consumed()
+  assert stateful.table.find(np.array([2, 1, 3], np.int32)).tolist() == [2.5, 1.5, -1.0]
+  back = _holder(table=jr.SortedTable.create(4, key=jnp.int32, value=jnp.float32))
+  jr.Checkpoint(model=back).restore(_save(tmp_path, "back", model=stateful)).assert_consumed()
+  assert back.table.find(jnp.array([1, 2])).tolist() == [1.5, 2.5]
+
+
+def test_string_keys_restore_into_another_maximum_length(tmp_path):
+  words = jr.MutableHashTable(str, np.int32, default_value=-1, max_key_length=8)
+  words.insert(["ab", "abcdefgh"], np.array([1, 2], np.int32))
+  path = _save(tmp_path, model=_holder(words=words))
+  wider = _holder(words=jr.MutableHashTable(str, np.int32, default_value=-1, max_key_length=100))
+  jr.Checkpoint(model=wider).restore(path).assert_consumed()
+  assert wider.words.find(["abcdefgh", "ab", "zz"]).tolist() == [2, 1, -1]
+  narrow = _holder(words=jr.MutableHashTable(str, np.int32, default_value=-1, max_key_length=4))
+  with pytest.raises(ValueError, match=r"model/words: .*'abcdefgh' is 8 UTF-8 bytes"):
+    jr.Checkpoint(model=narrow).restore(path)
+  assert len(narrow.words) == 0
+
+
+def test_restored_arrays_keep_their_type_and_placement(tmp_path):
+  device = jax.devices()[-1]
+  root = _holder(
+    host=np.arange(3, dtype=np.int64), scalar=np.float32(2.5), placed=jax.device_put(jnp.ones(2), device)
+  )
+  path = _save(tmp_path, model=root)
+  fresh = _holder(
+    host=np.zeros(3, np.int64), scalar=np.float32(0), placed=jax.device_put(jnp.zeros(2), device)
+  )
+  jr.Checkpoint(model=fresh).restore(path).assert_consumed()
+  assert isinstance(fresh.host, np.ndarray) and fresh.host.tolist() == [0, 1, 2]
+  assert isinstance(fresh.scalar, np.float32) and fresh.scalar == 2.5
+  assert fresh.placed.devices() == {device} and fresh.placed.tolist() == [1.0, 1.0]
+
+
+def test_attributes_set_on_a_checkpoint_with_a_root_go_to_the_root(tmp_path):
+  root = jr.AutoTrackable()
+  checkpoint = jr.Checkpoint(root=root)
+  checkpoint.step = jnp.array(3)
+  assert int(root.step) == 3 and checkpoint.root is root
+  assert _paths(checkpoint.save(tmp_path / "ckpt")) == ["", "step"]
+
+
+@pytest.mark.parametrize(
+  ("edit", "match"),
+  [
+    (lambda nodes: nodes.update({"model/x": {"alias": "model/missing"}}), "alias of no node"),
+    (lambda nodes: nodes["model"]["children"].append("ghost"), "children that are not nodes"),
+    (lambda nodes: nodes["model"].pop("kind"), "lacks its kind"),
+    (lambda nodes: nodes["model/step"]["arrays"].update({"other": "e99"}), "not described"),
+  ],
+)
+def test_a_damaged_object_graph_is_a_value_error(tmp_path, edit, match):
+  path = _save(tmp_path, model=_holder(step=jnp.array(1)))
+  manifest_path = tmp_path / "ckpt" / "manifest.json"
+  manifest = json.loads(manifest_path.read_text())
+  edit(manifest["nodes"])
+  manifest_path.write_text(json.dumps(manifest))
+  fresh = _holder(step=jnp.array(0))
+  with pytest.raises(ValueError, match=f"corrupted manifest .*{match}"):
+    jr.Checkpoint(model=fresh).restore(path)
+  assert int(fresh.step) == 0
+
+
+def test_a_checkpoint_of_the_first_format_is_refused_clearly(tmp_path):
+  path = _save(tmp_path, model=_holder(step=jnp.array(1)))
+  manifest_path = tmp_path / "ckpt" / "manifest.json"
+  manifest = json.loads(manifest_path.read_text())
+  manifest["version"] = 1
+  manifest_path.write_text(json.dumps(manifest))
+  with pytest.raises(ValueError, match="format version 1 was written by an earlier jaxres"):
+    jr.Checkpoint(model=jr.AutoTrackable()).restore(path)

@@ -1,0 +1,108 @@
+"""The package's layers: imports point one way (core -> shell -> tracking -> integrations), no cycles.
+
+``python tests/test_layers.py`` prints the imports between folders.
+"""
+
+import ast
+import collections
+import graphlib
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "jaxres"
+
+# Each module may import from its own layer and the layers below it.
+LAYERS = {
+  "jaxres._core": 0,
+  "jaxres.keys": 1,
+  "jaxres._shell": 1,
+  "jaxres._tracking": 2,
+  "jaxres._integrations": 3,
+  "jaxres": 4,
+  "jaxres.examples": 5,
+  "jaxres.demo": 6,
+}
+# Third-party packages whose APIs move fast, each kept to a few modules.
+CONFINED = {
+  "flax": {"jaxres._shell.resource", "jaxres._integrations.nnx", "jaxres.examples", "jaxres.demo"},
+  "orbax": {"jaxres._tracking.storage"},
+}
+
+
+def modules() -> dict[str, Path]:
+  out = {}
+  for path in sorted(PACKAGE.rglob("*.py")):
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+  return out
+
+
+def imports(path: Path, known: set[str]) -> set[str]:
+  """Every module ``path`` imports: jaxres modules by name, others by their top-level package."""
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      found |= {alias.name for alias in node.names}
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      found |= {
+        f"{node.module}.{alias.name}" for alias in node.names if f"{node.module}.{alias.name}" in known
+      }
+      found.add(node.module)
+  return {name if name.startswith("jaxres") else name.split(".")[0] for name in found}
+
+
+def layer(module: str) -> str:
+  return max((prefix for prefix in LAYERS if module == prefix or module.startswith(prefix + ".")), key=len)
+
+
+def graph() -> dict[str, set[str]]:
+  known = set(modules())
+  return {module: imports(path, known) for module, path in modules().items()}
+
+
+def folder_edges() -> dict[tuple[str, str], int]:
+  """``(importing layer, imported layer) -> number of imports`` between different layers."""
+  edges = collections.Counter()
+  for module, imported in graph().items():
+    for target in imported:
+      if target.startswith("jaxres") and layer(target) != layer(module):
+        edges[layer(module), layer(target)] += 1
+  return dict(sorted(edges.items()))
+
+
+def test_imports_point_down_the_layers():
+  upward = [
+    f"{module} -> {target}"
+    for module, imported in graph().items()
+    for target in imported
+    if target.startswith("jaxres") and LAYERS[layer(target)] > LAYERS[layer(module)]
+  ]
+  assert not upward, upward
+
+
+def test_no_import_cycles_between_modules():
+  local = {
+    module: {t for t in imported if t in graph() and t != module} for module, imported in graph().items()
+  }
+  graphlib.TopologicalSorter(local).prepare()  # raises CycleError
+
+
+def test_the_examples_and_the_demo_use_the_public_api_only():
+  private = [
+    f"{module} -> {target}"
+    for module, imported in graph().items()
+    if layer(module) in ("jaxres.examples", "jaxres.demo")
+    for target in imported
+    if target.startswith("jaxres._")
+  ]
+  assert not private, private
+
+
+def test_fast_moving_dependencies_are_confined():
+  for package, allowed in CONFINED.items():
+    users = {module for module, imported in graph().items() if package in imported}
+    assert {layer(m) if layer(m) in allowed else m for m in users} <= allowed, (package, users)
+
+
+if __name__ == "__main__":
+  for (source, target), count in folder_edges().items():
+    print(f"{source:22} -> {target:22} {count} imports")
