@@ -25,3 +25,12 @@ def test_the_tour_runs(tmp_path):
   restored, trained = namespace["fresh"].model.embedding.ids, namespace["model"].embedding.ids
   assert len(restored) == len(trained) > 0
   assert np.array_equal(restored.export()[1], trained.export()[1])
+
+
+def test_the_protocol_example_runs():
+  section = README[README.index("### One protocol for every kind") : README.index("## Sharded tables")]
+  (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+  namespace = {}
+  exec(block, namespace)
+  assert namespace["fresh"].model.tokenizer.ids == {"the": 0, "quick": 1, "fox": 2}
+  assert namespace["status"].pending == []

@@ -99,9 +99,11 @@ class Plan:
     node = reader.nodes[node_path]
     handle = _checked(path, lambda: handle_for(obj))
     if handle is None or handle.kind != node["kind"]:
-      got = type(obj).__name__ + ("" if handle is None else f" (kind {handle.kind})")
+      got = type(obj).__name__ + (
+        ", which cannot be checkpointed" if handle is None else f" (kind {handle.kind})"
+      )
       saved = node["type"].rsplit(".", 1)[-1]
-      raise TypeError(f"{_shown(path)}: the checkpoint holds a {saved} (kind {node['kind']}), got a {got}.")
+      raise TypeError(f"{_shown(path)}: the checkpoint holds {saved} (kind {node['kind']}), got {got}.")
     if handle.shared:
       seen = self.ledger.objects.get(obj, self.restore.ledger.objects.get(obj))
       if seen is not None:  # met before in this restore: restored (or being restored) already
