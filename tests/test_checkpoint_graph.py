@@ -6,6 +6,10 @@ as they were saved.
 """
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -455,3 +459,101 @@ def test_a_checkpoint_of_the_first_format_is_refused_clearly(tmp_path):
   manifest_path.write_text(json.dumps(manifest))
   with pytest.raises(ValueError, match="format version 1 was written by an earlier jaxres"):
     jr.Checkpoint(model=jr.AutoTrackable()).restore(path)
+
+
+_X64_GRAPH = """
+import sys, numpy as np, jax, jax.numpy as jnp, jaxres as jr
+def graph():
+  root = jr.AutoTrackable()
+  values, default = {"id": np.int64, "w": np.float64}, {"id": -1, "w": 0.0}
+  root.ids = jr.MutableHashTable(np.int64, values, default_value=default)
+  root.pairs = jr.OpenAddressingTable.create(8, key=jax.ShapeDtypeStruct((2,), jnp.uint64), value=jnp.int32)
+  return root
+KEYS = np.array([2**62 + 1, -(2**40) - 3], np.int64)
+"""
+
+
+def _run_x64(code, path):
+  env = {**os.environ, "JAX_ENABLE_X64": "1"}
+  script = _X64_GRAPH + textwrap.dedent(code)
+  subprocess.run(
+    [sys.executable, "-c", script, str(path)], env=env, check=True, capture_output=True, text=True
+  )
+
+
+def test_64_bit_entries_cross_between_x64_on_and_off_exactly(tmp_path):
+  namespace = {}
+  exec(_X64_GRAPH, namespace)
+  keys = namespace["KEYS"]
+  _run_x64(
+    """
+    root = graph()
+    root.ids.insert(KEYS, {"id": KEYS // 7, "w": np.array([0.1, 2.5])})
+    root.pairs = root.pairs.insert(np.array([[2**63 + 5, 1]], np.uint64), np.array([3], np.int32))
+    jr.Checkpoint(model=root).save(sys.argv[1])
+    """,
+    tmp_path / "on",
+  )
+  here = namespace["graph"]()  # x64 off here: 64-bit keys and ints exact, float64 stored as float32
+  jr.Checkpoint(model=here).restore(tmp_path / "on").assert_consumed()
+  values = here.ids.find(keys)
+  assert values["id"].tolist() == (keys // 7).tolist() and values["id"].dtype == np.int64
+  assert values["w"].tolist()[0] == float(np.float32(0.1))
+  assert here.pairs.find(np.array([[2**63 + 5, 1]], np.uint64)).tolist() == [3]
+  jr.Checkpoint(model=here).save(tmp_path / "off")
+  _run_x64(
+    """
+    root = graph()
+    jr.Checkpoint(model=root).restore(sys.argv[1]).assert_consumed()
+    assert root.ids.find(KEYS)["id"].tolist() == (KEYS // 7).tolist()
+    assert int(root.pairs.size) == 1
+    """,
+    tmp_path / "off",
+  )
+
+
+def test_save_errors_of_an_object_name_its_path(tmp_path):
+  class Raw(nnx.Module):
+    def __init__(self):
+      self.raw = nnx.data(jnp.ones(3))
+
+  with pytest.raises(
+    TypeError, match=r"model/raw: raw: an array held by an NNX object outside an nnx\.Variable"
+  ):
+    _save(tmp_path, model=_holder(raw=Raw()))
+  table = _table(k1=1.0)
+  table.destroy()
+  with pytest.raises(ValueError, match="model/table: MutableHashTable: the resource was destroyed"):
+    _save(tmp_path, model=_holder(table=table))
+
+
+def test_a_resource_subclass_may_define_its_own_arrays(tmp_path):
+  class Scaled(jr.Resource):
+    """Saves its state halved, under a name of its own."""
+
+    def _create_resource(self):
+      return jnp.zeros(2)
+
+    def _serialize_to_arrays(self):
+      return {"half": np.asarray(self.state) / 2}
+
+    def _restore_from_arrays(self, arrays):
+      self.state = jnp.asarray(arrays["half"] * 2)
+
+  class Counts(jr.MutableHashTable):
+    def _serialize_to_arrays(self):
+      keys, values = self.export()
+      return {"pairs": np.stack([keys, values], axis=1)}
+
+    def _restore_from_arrays(self, arrays):
+      self.import_(arrays["pairs"][:, 0].astype(np.int32), arrays["pairs"][:, 1].astype(np.int32))
+
+  scaled, counts = Scaled(), Counts(np.int32, np.int32, default_value=0)
+  scaled.state = jnp.array([4.0, 6.0])
+  counts.insert(np.array([3, 1], np.int32), np.array([30, 10], np.int32))
+  path = _save(tmp_path, model=_holder(scaled=scaled, counts=counts))
+  assert {a["name"] for e in jr.inspect_checkpoint(path) for a in e["arrays"]} == {"half", "pairs"}
+  fresh = _holder(scaled=Scaled(), counts=Counts(np.int32, np.int32, default_value=0))
+  jr.Checkpoint(model=fresh).restore(path).assert_consumed()
+  assert fresh.scaled.state.tolist() == [4.0, 6.0]
+  assert fresh.counts.find(np.array([1, 3, 5], np.int32)).tolist() == [10, 30, 0]

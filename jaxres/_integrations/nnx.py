@@ -34,8 +34,14 @@ class NnxHandle(handles.Handle):
     for path, node in graph:
       if not path or any(path[:k] in owned for k in range(1, len(path))):
         continue  # this node itself, or what a trackable holds
+      relative = "/".join(paths.escape(str(key)) for key in path)
+      if isinstance(node, handles.ARRAY_TYPES):
+        raise TypeError(
+          f"{relative}: an array held by an NNX object outside an nnx.Variable cannot be restored in "
+          "place; hold it in an nnx.Variable."
+        )
       if isinstance(node, Trackable) or (isinstance(node, nnx.Variable) and _value_handle(node) is not None):
-        found["/".join(paths.escape(str(key)) for key in path)] = node
+        found[relative] = node
     return found
 
 

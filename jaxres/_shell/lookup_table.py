@@ -16,7 +16,7 @@ from jaxres._core.table import Table, check_capacity
 from jaxres._core.values import ValueSpec
 from jaxres._shell.codecs import KeyCodec, ValueCodec
 from jaxres._shell.resource import Resource
-from jaxres._shell.trackable import Commit
+from jaxres._shell.trackable import Commit, Trackable, redefines_protocol
 
 STORAGES = {"open_addressing": OpenAddressingTable, "sorted": SortedTable}
 _REPR_ENTRIES = 3
@@ -87,7 +87,16 @@ class LookupTable(Resource):
   def _serialize_to_arrays(self) -> dict[str, np.ndarray]:
     return self.state._serialize_to_arrays()  # live entries only (not the lost-in-jit report)
 
-  def _prepare_restore(self, arrays: Mapping[str, np.ndarray]) -> Commit:
+  def _restore_from_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+    LookupTable._entries_commit(self, arrays)()
+
+  def _prepare_restore(self, arrays: Mapping[str, np.ndarray]) -> Commit | None:
+    if redefines_protocol(self, LookupTable):
+      return Trackable._prepare_restore(self, arrays)
+    return LookupTable._entries_commit(self, arrays)
+
+  def _entries_commit(self, arrays: Mapping[str, np.ndarray]) -> Commit:
+    """Checks checkpointed entries; returns the commit that makes them the contents."""
     state = self.state
     codecs = {"keys": self._key_codec, "values": self._value_codec}
     arrays = {  # string rows written for another maximum length are re-encoded

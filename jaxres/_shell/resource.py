@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from jaxres._core.pytrees import leaf_names
-from jaxres._shell.trackable import Commit, Trackable
+from jaxres._shell.trackable import Commit, Trackable, redefines_protocol
 
 
 class ResourceState(nnx.Variable):
@@ -155,9 +155,15 @@ class Resource(Trackable, nnx.Module):
     return dict(zip(leaf_names(state, "state"), jax.tree.leaves(state)))
 
   def _restore_from_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
-    self._prepare_restore(arrays)()
+    Resource._state_commit(self, arrays)()
 
-  def _prepare_restore(self, arrays: Mapping[str, np.ndarray]) -> Commit:
+  def _prepare_restore(self, arrays: Mapping[str, np.ndarray]) -> Commit | None:
+    if redefines_protocol(self, Resource):
+      return super()._prepare_restore(arrays)
+    return Resource._state_commit(self, arrays)
+
+  def _state_commit(self, arrays: Mapping[str, np.ndarray]) -> Commit:
+    """Checks ``arrays`` against the state's leaves; returns the commit that makes them the state."""
     current = self.state
     names = leaf_names(current, "state")
     if sorted(arrays) != sorted(names):

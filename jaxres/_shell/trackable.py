@@ -116,6 +116,21 @@ class Trackable:
     return None
 
 
+def redefines_protocol(obj: Trackable, base: type) -> bool:
+  """Whether a subclass of ``base`` redefines how ``obj`` saves or restores its arrays.
+
+  A built-in kind's two-step restore (``_prepare_restore``) only describes the
+  arrays of its own ``_serialize_to_arrays``; it steps aside for a subclass
+  that defines its own.
+  """
+  for klass in type(obj).__mro__:
+    if klass is base:
+      return False
+    if "_serialize_to_arrays" in vars(klass) or "_restore_from_arrays" in vars(klass):
+      return True
+  return False
+
+
 class AutoTrackable(Trackable):
   """A :class:`Trackable` whose public attributes are its children, in assignment order.
 

@@ -134,7 +134,7 @@ class Plan:
 
   def _visit_children(self, handle: Handle, path: str, node_path: str, node: dict, frozen: bool) -> dict:
     """Visits the children; returns the new values of those that are replaced (relative path -> value)."""
-    program = handle.children()
+    program = _checked(path, handle.children)
     replaced = {}
     for relative in node["children"]:
       child_path, child_node = paths.join(path, relative), paths.join(node_path, relative)

@@ -7,6 +7,7 @@ its shortest (the first met) and its other paths become aliases.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -41,11 +42,11 @@ def collect(root: Any) -> tuple[dict[str, dict], dict[str, np.ndarray]]:
       first_path[id(handle.obj)] = path
       held.append(handle.obj)
     node = {"kind": handle.kind, "type": type_name(handle.obj), "arrays": {}, "children": []}
-    for name, value in handle.arrays().items():
+    for name, value in _named(path, handle.arrays).items():
       key = f"e{len(arrays)}"
       arrays[key] = _host_copy(value, name, path)
       node["arrays"][name] = key
-    for relative, child in handle.children().items():
+    for relative, child in _named(path, handle.children).items():
       child_path = paths.join(path, relative)
       child_handle = _handle(child, child_path)
       if child_handle is None:
@@ -62,10 +63,15 @@ def collect(root: Any) -> tuple[dict[str, dict], dict[str, np.ndarray]]:
 
 
 def _handle(obj: Any, path: str) -> Handle | None:
+  return _named(path, lambda: handle_for(obj))
+
+
+def _named(path: str, action: Callable[[], Any]) -> Any:
+  """``action()``; a ``TypeError`` or ``ValueError`` it raises names ``path``."""
   try:
-    return handle_for(obj)
-  except TypeError as err:
-    raise TypeError(f"{path}: {err}") from None
+    return action()
+  except (TypeError, ValueError) as err:
+    raise type(err)(f"{path or '<root>'}: {err}") from err
 
 
 def _host_copy(value: Any, name: str, path: str) -> np.ndarray:
