@@ -108,9 +108,11 @@ class Trackable:
     """The queue of restores waiting for a child ``name`` to be attached, or ``None``.
 
     The queue (made by ``new_queue()`` the first time) has one method,
-    ``attach(value) -> value``: it restores ``value`` and returns what to
-    attach. This kind cannot tell when a child is attached, so it returns
-    ``None`` (the path stays pending).
+    ``attach(value, place) -> bool``: it restores ``value``, calls
+    ``place(restored)`` as its last step (so that a failure anywhere leaves
+    everything as it was) and returns whether the queue is done with. This
+    kind cannot tell when a child is attached, so it returns ``None`` (the
+    path stays pending).
     """
     del name, new_queue
     return None
@@ -151,11 +153,14 @@ class AutoTrackable(Trackable):
 
   def __setattr__(self, name: str, value: Any) -> None:
     queue = self.__dict__.get("_jaxres_deferred", {}).get(name)
-    if queue is not None:
-      value = queue.attach(value)  # restores; on a mismatch it raises and nothing changes
-      del self.__dict__["_jaxres_deferred"][name]
+    if queue is None:
+      self._assign_child(name, value)
+    elif queue.attach(value, lambda restored: self._assign_child(name, restored)):  # raises, changing nothing
+      self.__dict__["_jaxres_deferred"].pop(name, None)
+
+  def _assign_child(self, name: str, value: Any) -> None:
     object.__setattr__(self, name, value)
-    if not name.startswith("_"):
+    if not name.startswith("_") and name in self.__dict__:  # a property keeps its value elsewhere
       self.__dict__.setdefault("_jaxres_children", {}).setdefault(name, None)
 
   def __delattr__(self, name: str) -> None:
@@ -163,7 +168,9 @@ class AutoTrackable(Trackable):
     self.__dict__.get("_jaxres_children", {}).pop(name, None)
 
   def _trackable_children(self) -> dict[str, Any]:
-    return {name: self.__dict__[name] for name in self.__dict__.get("_jaxres_children", {})}
+    return {
+      name: self.__dict__[name] for name in self.__dict__.get("_jaxres_children", {}) if name in self.__dict__
+    }
 
   def _replace_trackable_child(self, name: str, value: Any) -> None:
     object.__setattr__(self, name, value)  # in place: keeps the order, runs no restore

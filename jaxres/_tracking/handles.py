@@ -124,9 +124,15 @@ class TrackableHandle(Handle):
 
   def replace(self, replaced):
     current = self.obj._trackable_children()
+    default = type(self.obj)._replace_trackable_child is Trackable._replace_trackable_child
     commits = []
     for relative, new in replaced.items():
       name = self._name(relative)
+      if default and getattr(self.obj, name, None) is not current[name]:
+        raise TypeError(
+          f"{relative}: a {type(self.obj).__name__} keeps this child elsewhere than in its attribute "
+          f"{name!r}; define _replace_trackable_child to restore it."
+        )
       commits.append(setting(functools.partial(self.obj._replace_trackable_child, name), current[name], new))
     return self.obj, commits
 
@@ -229,7 +235,7 @@ class TupleHandle(Handle):
     return tuple(replaced.get(str(i), item) for i, item in enumerate(self.obj)), []
 
 
-def handle_for(obj: Any, *, containers: bool = True) -> Handle | None:
+def handle_for(obj: Any, *, containers: bool = True, _within: frozenset = frozenset()) -> Handle | None:
   """The handle of ``obj``, or ``None`` when it is not part of the graph.
 
   With ``containers=False`` lists, tuples and dicts of arrays are one pytree
@@ -238,6 +244,9 @@ def handle_for(obj: Any, *, containers: bool = True) -> Handle | None:
   Raises:
     TypeError: ``obj`` mixes arrays with what cannot be checkpointed (a pytree
       with a float leaf, or a trackable inside a pytree that is no container).
+
+  (``_within``: the containers being examined around ``obj``; a container
+  holding itself is not content on its own account.)
   """
   if isinstance(obj, Trackable):
     return TrackableHandle(obj)
@@ -249,7 +258,9 @@ def handle_for(obj: Any, *, containers: bool = True) -> Handle | None:
   if isinstance(obj, ARRAY_TYPES):
     return ArrayHandle(obj)
   if containers and type(obj) in CONTAINERS:
-    if not any(_is_content(item) for item in (obj.values() if isinstance(obj, dict) else obj)):
+    within = _within | {id(obj)}
+    items = obj.values() if isinstance(obj, dict) else obj
+    if not any(id(item) not in within and _is_content(item, within) for item in items):
       return None
     return TupleHandle(obj) if isinstance(obj, tuple) else ContainerHandle(obj)
   special = [x for x in jax.tree.leaves(obj, is_leaf=_is_special) if x is not obj and _is_special(x)]
@@ -281,9 +292,9 @@ def _is_special(x: Any) -> bool:
   return isinstance(x, Trackable) or has_handle
 
 
-def _is_content(item: Any) -> bool:
+def _is_content(item: Any, within: frozenset) -> bool:
   try:
-    return handle_for(item) is not None
+    return handle_for(item, _within=within) is not None
   except TypeError:
     return True  # checkpointable in part: the item's own path will name the problem
 

@@ -39,11 +39,13 @@ class IdentityMap:
       ref = reference(obj)
     self._entries[key] = (ref, value)
 
+  def items(self) -> list[tuple[Any, Any]]:
+    """``(obj, value)`` of the objects still alive."""
+    return [(obj, value) for ref, value in list(self._entries.values()) if (obj := ref()) is not None]
+
   def update(self, other: IdentityMap) -> None:
-    for ref, value in other._entries.values():
-      obj = ref()
-      if obj is not None:
-        self[obj] = value
+    for obj, value in other.items():
+      self[obj] = value
 
   def _forget(self, key: int) -> None:
     entry = self._entries.get(key)

@@ -106,6 +106,17 @@ class Reader:
     """The arrays of the object saved at ``path``, by name."""
     return {name: self._arrays[key] for name, key in self.node(path)["arrays"].items()}
 
+  def retain(self, node_paths) -> None:
+    """Keeps only the arrays of the objects at ``node_paths`` and below (what pending restores need)."""
+    keep, stack = set(), list(node_paths)
+    while stack:
+      path = self.canonical(stack.pop())
+      if path not in keep:
+        keep.add(path)
+        stack += [paths.join(path, child) for child in self.nodes[path]["children"]]
+    needed = {key for path in keep for key in self.nodes[path]["arrays"].values()}
+    self._arrays = {key: array for key, array in self._arrays.items() if key in needed}
+
   def valued(self) -> list[str]:
     """The paths of objects that hold arrays of their own."""
     return [path for path, node in self.nodes.items() if node.get("arrays")]

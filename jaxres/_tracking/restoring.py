@@ -10,15 +10,21 @@ already made, so a failing restore leaves every object as it was.
   objects there now, each is restored and the difference is reported.
 * **Deferred restore.** A checkpointed child that does not exist yet is
   queued on its owner (if the owner can tell when it is attached, as an
-  ``AutoTrackable`` can) and restored on attach.
-* **The later restore wins.** Restores are numbered; an object records the
-  number of the restore that last wrote it, and an earlier restore reaching it
-  afterwards (through a deferred attach) does not overwrite it.
+  ``AutoTrackable`` can) and restored on attach. Only the arrays such pending
+  paths may still need are kept in memory.
+* **The later restore wins.** Restores are numbered. An object records the
+  number of the restore that last wrote its arrays, and an owner the number
+  that last replaced each of its values (arrays, functional tables, tuples);
+  an earlier restore reaching them afterwards (through a deferred attach)
+  does not overwrite them, and one whose checkpoint no longer matches what is
+  attached is simply superseded.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +36,43 @@ from jaxres._tracking.manifest import Reader
 from jaxres._tracking.status import Ledger, LoadStatus
 
 _NUMBERS = itertools.count(1)
-_LAST_WRITE = IdentityMap()  # object -> number of the latest restore that wrote it
+
+
+class Writes:
+  """Which restore (by number) last wrote each object's arrays, and each value an owner holds."""
+
+  def __init__(self):
+    self.objects = IdentityMap()  # object -> number
+    self.slots = IdentityMap()  # owner -> {relative path of a value child: number}
+
+  def of_object(self, obj: Any) -> int:
+    return self.objects.get(obj, 0)
+
+  def of_slot(self, owner: Any, relative: str) -> int:
+    return self.slots.get(owner, {}).get(relative, 0)
+
+  def object_written(self, obj: Any, number: int) -> None:
+    self.objects[obj] = number
+
+  def slot_written(self, owner: Any, relative: str, number: int) -> None:
+    slots = self.slots.get(owner)
+    if slots is None:
+      slots = self.slots[owner] = {}
+    slots[relative] = number
+
+  def merge(self, other: Writes, *, lasting: bool = False) -> None:
+    """Takes ``other``'s records; ``lasting``: only those of objects that can be weakly referenced
+    (the record of every restore must not keep lists and dicts alive)."""
+    for obj, number in other.objects.items():
+      if not lasting or weakly_referenceable(obj):
+        self.object_written(obj, number)
+    for owner, slots in other.slots.items():
+      if not lasting or weakly_referenceable(owner):
+        for relative, number in slots.items():
+          self.slot_written(owner, relative, number)
+
+
+_LAST_WRITES = Writes()  # of every committed restore
 
 
 class Restore:
@@ -38,6 +80,11 @@ class Restore:
 
   def __init__(self, reader: Reader):
     self.reader, self.number, self.ledger = reader, next(_NUMBERS), Ledger()
+    self.waiting: dict[str, str] = {}  # program path -> checkpoint path, of the deferred restores
+
+  def settle(self) -> None:
+    """Drops the arrays that no pending path can need any more."""
+    self.reader.retain(self.waiting.values())
 
 
 def restore(root: Any, reader: Reader) -> LoadStatus:
@@ -47,21 +94,24 @@ def restore(root: Any, reader: Reader) -> LoadStatus:
   this = Restore(reader)
   transaction = Transaction()
   plan = Plan(this, transaction)
-  plan.visit(root, "", "", frozen=False)
+  plan.visit(root, "", "", owner=None, relative="", inherited=False)
+  transaction.accept(plan)
   transaction.commit()
   plan.finish()
+  this.settle()
   return LoadStatus(reader, this.ledger)
 
 
 class Transaction:
-  """Changes committed together: all of them, or (undone) none."""
+  """The changes of one or more plans, committed together: all of them, or (undone) none."""
 
   def __init__(self):
     self.changes: list[tuple[str, Commit]] = []
-    self.writes = IdentityMap()  # object -> restore number, for the objects these changes write
+    self.writes = Writes()
 
-  def last_write(self, obj: Any) -> int:
-    return max(self.writes.get(obj, 0), _LAST_WRITE.get(obj, 0))
+  def accept(self, plan: Plan) -> None:
+    self.changes += plan.changes
+    self.writes.merge(plan.writes)
 
   def commit(self) -> None:
     undos = []
@@ -77,7 +127,7 @@ class Transaction:
       for undo in reversed(undos):
         undo()
       raise
-    _LAST_WRITE.update(self.writes)
+    _LAST_WRITES.merge(self.writes, lasting=True)
 
 
 class Plan:
@@ -85,14 +135,16 @@ class Plan:
 
   def __init__(self, restore: Restore, transaction: Transaction):
     self.restore, self.transaction = restore, transaction
+    self.changes: list[tuple[str, Commit]] = []
+    self.writes = Writes()
     self.ledger = Ledger()
     self.missing: list[tuple[Handle, str, str, str]] = []  # owner, relative, program path, checkpoint path
 
-  def visit(self, obj: Any, path: str, node_path: str, frozen: bool) -> Any:
+  def visit(self, obj: Any, path: str, node_path: str, owner: Any, relative: str, inherited: bool) -> Any:
     """Plans the restore of ``obj`` (at ``path``) from ``node_path``; returns the object for its place.
 
-    ``frozen``: a later restore wrote the object holding this one, so values
-    are not replaced (objects with an identity decide for themselves).
+    ``owner`` holds ``obj`` at ``relative`` (``None`` inside a value).
+    ``inherited``: the value holding this one was written by a later restore.
     """
     reader = self.restore.reader
     node_path = reader.canonical(node_path)
@@ -104,6 +156,7 @@ class Plan:
       )
       saved = node["type"].rsplit(".", 1)[-1]
       raise TypeError(f"{_shown(path)}: the checkpoint holds {saved} (kind {node['kind']}), got {got}.")
+    number = self.restore.number
     if handle.shared:
       seen = self.ledger.objects.get(obj, self.restore.ledger.objects.get(obj))
       if seen is not None:  # met before in this restore: restored (or being restored) already
@@ -115,26 +168,31 @@ class Plan:
         self.ledger.sharing.add(path)  # two objects here, one in the checkpoint: both restored
       self.ledger.objects[obj] = node_path
       self.ledger.first_object.setdefault(node_path, reference(obj))
-      if weakly_referenceable(obj):
-        frozen = self.transaction.last_write(obj) > self.restore.number
-        if not frozen:
-          self.transaction.writes[obj] = self.restore.number
+      frozen = self._last_write(Writes.of_object, obj) > number
+      if not frozen:
+        self.writes.object_written(obj, number)
+    else:
+      frozen = inherited or (owner is not None and self._last_write(Writes.of_slot, owner, relative) > number)
     self.ledger.matched.add(path)
     self.ledger.consumed.add(node_path)
     new = obj
     if not frozen:
       new, commit = _checked(path, lambda: handle.restore(reader.arrays(node_path)))
       if commit is not None:
-        self.transaction.changes.append((path, commit))
-    replaced = self._visit_children(handle, path, node_path, node, frozen)
+        self.changes.append((path, commit))
+    replaced = self._visit_children(handle, path, node_path, node, frozen and not handle.shared)
     if replaced:
       new, commits = _checked(path, lambda: handle.replace(replaced))
-      self.transaction.changes += [(path, commit) for commit in commits]
+      self.changes += [(path, commit) for commit in commits]
+      if handle.shared:
+        for child in replaced:
+          self.writes.slot_written(obj, child, number)
     return new
 
-  def _visit_children(self, handle: Handle, path: str, node_path: str, node: dict, frozen: bool) -> dict:
+  def _visit_children(self, handle: Handle, path: str, node_path: str, node: dict, inherited: bool) -> dict:
     """Visits the children; returns the new values of those that are replaced (relative path -> value)."""
     program = _checked(path, handle.children)
+    owner = handle.obj if handle.shared else None
     replaced = {}
     for relative in node["children"]:
       child_path, child_node = paths.join(path, relative), paths.join(node_path, relative)
@@ -142,7 +200,7 @@ class Plan:
         self.missing.append((handle, relative, child_path, child_node))
         continue
       child = program[relative]
-      new = self.visit(child, child_path, child_node, frozen)
+      new = self.visit(child, child_path, child_node, owner, relative, inherited)
       if new is not child:
         replaced[relative] = new
     saved = set(node["children"])
@@ -153,6 +211,10 @@ class Plan:
     }
     return replaced
 
+  def _last_write(self, of: Callable[..., int], *key: Any) -> int:
+    records = (self.writes, self.transaction.writes, _LAST_WRITES)
+    return max(of(record, *key) for record in records)
+
   def _first_object(self, node_path: str) -> Any:
     ref = self.ledger.first_object.get(node_path) or self.restore.ledger.first_object.get(node_path)
     return None if ref is None else ref()
@@ -161,35 +223,75 @@ class Plan:
     """After the commit: records what was matched and queues what is missing."""
     for owner, relative, path, node_path in self.missing:
       self.ledger.pending.add(path)
-      queue = owner.defer(relative, DeferredQueue)
+      queue = owner.defer(relative, functools.partial(DeferredQueue, reference(owner.obj), relative))
       if queue is not None:
-        queue.waiting.append((self.restore, path, node_path))
+        queue.add(self.restore, path, node_path)
+        self.restore.waiting[path] = node_path
     self.restore.ledger.merge(self.ledger)
 
 
 class DeferredQueue:
   """The restores waiting for one child of one object, run when something is attached there."""
 
-  def __init__(self):
-    self.waiting: list[tuple[Restore, str, str]] = []  # restore, program path, checkpoint path
+  def __init__(self, owner: Callable[[], Any], relative: str):
+    self._owner, self._relative = owner, relative
+    self._waiting: list[tuple[Restore, str, str]] = []  # restore, program path, checkpoint path
+    self._lock = threading.Lock()
 
-  def attach(self, value: Any) -> Any:
-    """Restores ``value`` (the later restore first); returns what to attach.
+  def add(self, restore: Restore, path: str, node_path: str) -> None:
+    with self._lock:
+      self._waiting.append((restore, path, node_path))
 
-    Raises (with every object left as it was) when ``value`` does not match.
+  def attach(self, value: Any, place: Callable[[Any], None]) -> bool:
+    """Restores ``value`` and calls ``place`` with what to attach, as the last step; True when done.
+
+    The latest restore sets the value; earlier ones add what only they hold,
+    and one whose checkpoint does not match ``value`` is superseded. A value
+    that is not part of the graph (a number, ``None``) is placed as it is and
+    the path stays pending (returns False). On a mismatch with the latest
+    restore this raises, with every object left as it was and nothing placed.
     """
-    waiting = sorted(self.waiting, key=lambda entry: entry[0].number, reverse=True)
-    transaction = Transaction()
-    plans = [Plan(restore, transaction) for restore, _, _ in waiting]
-    attached = value
-    for i, (plan, (_, path, node_path)) in enumerate(zip(plans, waiting)):
-      new = plan.visit(value, path, node_path, frozen=i > 0)  # the latest restore sets a value
-      attached = new if i == 0 else attached
-    transaction.commit()
-    for plan, (restore, path, _) in zip(plans, waiting):
+    with self._lock:
+      if not self._waiting or not _is_content(value):
+        place(value)
+        return not self._waiting
+      waiting = sorted(self._waiting, key=lambda entry: entry[0].number, reverse=True)
+      transaction = Transaction()
+      owner = self._owner()
+      attached, plans, served = value, [], []  # served: (restore, path) no longer waiting here
+      for i, (restore, path, node_path) in enumerate(waiting):
+        plan = Plan(restore, transaction)
+        try:
+          new = plan.visit(value, path, node_path, owner, self._relative, inherited=False)
+        except (TypeError, ValueError):
+          if i == 0:
+            raise
+          served.append((restore, path))  # superseded by the later restore
+          continue
+        transaction.accept(plan)
+        if i == 0 and new is not value:
+          attached = new
+          if owner is not None:
+            transaction.writes.slot_written(owner, self._relative, restore.number)
+        plans.append(plan)
+        served.append((restore, path))
+      transaction.changes.append((waiting[0][1], lambda: place(attached)))
+      transaction.commit()
+      self._waiting = []
+    for plan in plans:
       plan.finish()
+    for restore, path in served:
       restore.ledger.pending.discard(path)
-    return attached
+      restore.waiting.pop(path, None)
+      restore.settle()
+    return True
+
+
+def _is_content(value: Any) -> bool:
+  try:
+    return handle_for(value) is not None
+  except TypeError:
+    return True  # in part: the restore names the problem
 
 
 def _holds_state(obj: Any, seen: set[int]) -> bool:
