@@ -8,6 +8,10 @@
 """
 
 from jaxres import keys as keys
+from jaxres._core.eviction import LFU as LFU
+from jaxres._core.eviction import LRU as LRU
+from jaxres._core.eviction import CustomScore as CustomScore
+from jaxres._core.eviction import Evicted as Evicted
 from jaxres._core.open_addressing import OpenAddressingTable as OpenAddressingTable
 from jaxres._core.sharded import ShardedTable as ShardedTable
 from jaxres._core.sorted_table import SortedTable as SortedTable
@@ -30,9 +34,13 @@ from jaxres._tracking.manager import CheckpointManager as CheckpointManager
 from jaxres._tracking.status import LoadStatus as LoadStatus
 
 __all__ = [
+  "LFU",
+  "LRU",
   "AutoTrackable",
   "Checkpoint",
   "CheckpointManager",
+  "CustomScore",
+  "Evicted",
   "KeyValueInitializer",
   "LoadStatus",
   "LookupTable",

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxres._core.hashing import hash_words
+
 _FREE = np.int32(np.iinfo(np.int32).max)  # an unclaimed scratch cell
 _MIX = np.uint32(0x9E3779B1)
 _CELLS_PER_ROW = 8  # scratch cells per batch row: few collisions between slots
@@ -59,6 +61,37 @@ def lowest_writer(cells: jax.Array, mask: jax.Array, size: int) -> jax.Array:
   return jnp.minimum(scratch[cells], cells.shape[0] - 1)
 
 
+def owner_per_key(words: jax.Array, mask: jax.Array, last: bool = False) -> jax.Array:
+  """int32[N]: for each masked row, the first (or ``last``) masked row with the same key words.
+
+  ``words`` is ``uint32[N, W]``. Unmasked rows get their own index.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> words = jnp.array([[1, 2], [3, 4], [1, 2], [1, 2]], jnp.uint32)
+    >>> mask = jnp.array([True, True, True, False])
+    >>> owner_per_key(words, mask).tolist(), owner_per_key(words, mask, last=True).tolist()
+    ([0, 1, 0, 3], [2, 1, 2, 3])
+  """
+  n = words.shape[0]
+  size = scratch_size(n)
+  order = jnp.arange(n, dtype=jnp.int32)
+  rows = order[::-1] if last else order  # claim priority: position in `rows`
+  ranked_words, ranked_mask = words[rows], mask[rows]
+  ranked_hash = hash_words(ranked_words, seed=0x0C1A)
+
+  def body(state):
+    # Rows of one key share its cell, so they settle together, on the lowest of them.
+    rounds, pending, owner = state
+    writer = lowest_writer(cell_of(ranked_hash, rounds, size), pending, size)
+    settled = pending & jnp.all(ranked_words[writer] == ranked_words, axis=-1)
+    return rounds + 1, pending & ~settled, jnp.where(settled, writer, owner)
+
+  state = (jnp.int32(0), ranked_mask, order)
+  _, _, owner = lax.while_loop(lambda s: jnp.any(s[1]), body, state)
+  return rows[owner[rows]]  # `rows` is its own inverse
+
+
 def owner_per_slot(slot: jax.Array, mask: jax.Array, last: bool = False) -> jax.Array:
   """int32[N]: for each masked row, the first (or ``last``) masked row with its ``slot``.
 
@@ -70,22 +103,7 @@ def owner_per_slot(slot: jax.Array, mask: jax.Array, last: bool = False) -> jax.
     >>> owner_per_slot(slot, mask).tolist(), owner_per_slot(slot, mask, last=True).tolist()
     ([0, 1, 0, 3], [2, 1, 2, 3])
   """
-  n = slot.shape[0]
-  size = scratch_size(n)
-  order = jnp.arange(n, dtype=jnp.int32)
-  rows = order[::-1] if last else order  # claim priority: position in `rows`
-  ranked_slot, ranked_mask = slot[rows], mask[rows]
-
-  def body(state):
-    # Rows of one slot share its cell, so they settle together, on the lowest of them.
-    rounds, pending, owner = state
-    writer = lowest_writer(cell_of(ranked_slot, rounds, size), pending, size)
-    settled = pending & (ranked_slot[writer] == ranked_slot)
-    return rounds + 1, pending & ~settled, jnp.where(settled, writer, owner)
-
-  state = (jnp.int32(0), ranked_mask, order)
-  _, _, owner = lax.while_loop(lambda s: jnp.any(s[1]), body, state)
-  return rows[owner[rows]]  # `rows` is its own inverse
+  return owner_per_key(slot.astype(jnp.uint32)[:, None], mask, last)
 
 
 def first_per_slot(slot: jax.Array, mask: jax.Array, last: bool = False) -> jax.Array:

@@ -2,10 +2,12 @@
 
 A table holding one set of entries is stored as ``keys`` (exact dtype,
 ``[n, *key_shape]``) and ``values`` (one array per value leaf, named by its
-key path: ``values``, or ``values/emb`` and ``values/count``). A table split
-into shards stores each shard under ``shards/<i>/``, so each shard can be
-written by whoever holds it. Either form restores into any table with the
-same keys and values, whatever its capacity or number of shards.
+key path: ``values``, or ``values/emb`` and ``values/count``); a table with an
+eviction policy adds ``scores`` (``uint32[n]``) and the scalars ``clock`` and
+``evictions``. A table split into shards stores each shard's entries under
+``shards/<i>/``, so each shard can be written by whoever holds it. Either
+form restores into any table with the same keys and values, whatever its
+capacity or number of shards.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from jaxres._core.values import ValueSpec
 
 _SHARD = re.compile(r"shards/(\d+)/(.+)")
 
-Entries = tuple[np.ndarray, list[np.ndarray]]  # keys, value leaves (host arrays, live entries only)
+# keys, value leaves, scores (or None): host arrays of the live entries
+Entries = tuple[np.ndarray, list[np.ndarray], np.ndarray | None]
+_COUNTERS = ("clock", "evictions")
 
 
 def value_names(value_spec: ValueSpec) -> list[str]:
@@ -30,38 +34,53 @@ def value_names(value_spec: ValueSpec) -> list[str]:
 
 
 def field_of(name: str) -> str:
-  """``"keys"`` or ``"values"``: what the array ``name`` holds (any other name is returned as it is)."""
+  """``"keys"``, ``"values"`` or ``"scores"``: what the array ``name`` holds (others: the name itself)."""
   match = _SHARD.fullmatch(name)
   field = match[2] if match else name
   return "values" if field.startswith("values") else field
 
 
-def to_arrays(shards: list[Entries], value_spec: ValueSpec) -> dict[str, np.ndarray]:
-  """The named arrays of a table's entries, given shard by shard (one shard: no prefix)."""
+def to_arrays(
+  shards: list[Entries], value_spec: ValueSpec, counters: dict | None = None
+) -> dict[str, np.ndarray]:
+  """The named arrays of a table's entries, given shard by shard (one shard: no prefix).
+
+  ``counters``: the ``clock`` and ``evictions`` of a table with an eviction policy.
+  """
   names = value_names(value_spec)
-  out = {}
-  for i, (keys, leaves) in enumerate(shards):
+  out = {name: np.asarray(value) for name, value in (counters or {}).items()}
+  for i, (keys, leaves, scores) in enumerate(shards):
     prefix = "" if len(shards) == 1 else f"shards/{i}/"
     out[prefix + "keys"] = keys
     out |= {prefix + name: leaf for name, leaf in zip(names, leaves)}
+    if scores is not None:
+      out[prefix + "scores"] = scores
   return out
 
 
-def from_arrays(arrays, key_spec: KeySpec, value_spec: ValueSpec) -> tuple[np.ndarray, object]:
-  """``(keys, values)`` of all shards of :func:`to_arrays` output, checked against the specs.
+def from_arrays(arrays, key_spec: KeySpec, value_spec: ValueSpec):
+  """``(keys, values, scores, counters)`` of :func:`to_arrays` output, checked against the specs.
+
+  ``scores`` is ``None`` and ``counters`` empty for a table saved without an
+  eviction policy.
 
   Raises:
     TypeError: the arrays are not those of a table (other names).
     ValueError: keys or values of another dtype or shape than the specs.
   """
   expected = ["keys", *value_names(value_spec)]
+  counters = {name: int(np.asarray(arrays[name])) for name in _COUNTERS if name in arrays}
   shards: dict[int, dict[str, np.ndarray]] = {}
   for name, array in arrays.items():
+    if name in _COUNTERS:
+      continue
     match = _SHARD.fullmatch(name)
     index, field = (int(match[1]), match[2]) if match else (-1, name)
     shards.setdefault(index, {})[field] = np.asarray(array)
+  scored = bool(counters) and all("scores" in fields for fields in shards.values())
+  want = sorted(expected + ["scores"] * scored)
   mixed = -1 in shards and len(shards) > 1
-  if not shards or mixed or any(sorted(fields) != sorted(expected) for fields in shards.values()):
+  if not shards or mixed or any(sorted(fields) != want for fields in shards.values()):
     raise TypeError(f"expected the arrays of a table, {expected}, got {sorted(arrays)}.")
   parts = [shards[i] for i in sorted(shards)]
   keys = np.concatenate([part["keys"] for part in parts])
@@ -77,4 +96,7 @@ def from_arrays(arrays, key_spec: KeySpec, value_spec: ValueSpec) -> tuple[np.nd
         f"the table {leaf}."
       )
     leaves.append(values)
-  return keys, jax.tree.unflatten(value_spec.treedef, leaves)
+  scores = np.concatenate([part["scores"] for part in parts]) if scored else None
+  if scores is not None and (scores.dtype != np.uint32 or scores.shape != (len(keys),)):
+    raise ValueError(f"scores: the checkpoint holds {scores.dtype}{list(scores.shape)} for {len(keys)} keys.")
+  return keys, jax.tree.unflatten(value_spec.treedef, leaves), scores, counters

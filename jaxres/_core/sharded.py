@@ -180,6 +180,26 @@ class ShardedTable(Table):
     """int32[num_shards]: new keys each shard could not hold."""
     return self.shards.dropped
 
+  @property
+  def eviction(self):
+    """The shards' eviction policy (each shard evicts among its own entries)."""
+    return self.shards.eviction
+
+  @property
+  def clock(self) -> jax.Array:
+    """uint32[]: mutating calls so far (every call reaches every shard, so their clocks agree)."""
+    return self.shards.clock[0]
+
+  @property
+  def evictions(self) -> jax.Array:
+    """int32[]: entries evicted or refused, over all shards."""
+    return jnp.sum(self.shards.evictions)
+
+  @property
+  def num_slots(self) -> int:
+    """Slots over all shards; ``export_batch`` numbers them shard by shard."""
+    return self.num_shards * self.shards.values[0].shape[1]
+
   def export(self):
     """All entries as fixed-shape arrays ``(keys, values, valid)``.
 
@@ -199,6 +219,20 @@ class ShardedTable(Table):
     shards = _stacked(lambda: first._with_capacity(shard_capacity), self.mesh, self.axis)
     return dataclasses.replace(self, shards=shards, capacity=capacity)
 
+  def _tick(self):
+    return dataclasses.replace(self, shards=dataclasses.replace(self.shards, clock=self.shards.clock + 1))
+
+  def _carry(self, other):
+    shards = dataclasses.replace(self.shards, clock=other.shards.clock, evictions=other.shards.evictions)
+    return dataclasses.replace(self, shards=shards)
+
+  def _restored_counters(self, counters):
+    clock = jnp.full_like(self.shards.clock, counters.get("clock", 0))
+    evictions = jnp.zeros_like(self.shards.evictions).at[0].set(counters.get("evictions", 0))  # a total
+    return dataclasses.replace(
+      self, shards=dataclasses.replace(self.shards, clock=clock, evictions=evictions)
+    )
+
   def _lookup_rows(self, words, defaults):
     def op(shard, words, active, rows):
       del active, rows
@@ -209,17 +243,53 @@ class ShardedTable(Table):
     found = out.pop()
     return select_rows(found, out, defaults), found
 
-  def _upsert_rows(self, words, leaves, active, mode):
+  def _score_rows(self, words):
     def op(shard, words, active, rows):
-      return shard._upsert_rows(words, rows, active, mode)
+      del active, rows
+      return shard, [shard._score_rows(words)]
 
-    return self._routed(op, words, active, leaves)
+    return self._routed(op, words, None, [])[1][0]
 
-  def _apply_rows(self, words, leaves, active, fn):
+  def _upsert_rows(self, words, leaves, active, mode, given=None):
+    extra = [] if given is None else [given]  # the given scores travel with their rows
+
     def op(shard, words, active, rows):
-      return shard._apply_rows(words, rows, active, fn), []
+      rows, given = (rows[:-1], rows[-1]) if extra else (rows, None)
+      shard, out, evicted = shard._upsert_rows(words, rows, active, mode, given)
+      pieces = [] if evicted is None else [evicted[0], *evicted[1], evicted[2], evicted[3]]
+      return shard, [*out, *pieces]
 
-    return self._routed(op, words, active, leaves)[0]
+    table, outputs = self._routed(op, words, active, [*leaves, *extra])
+    num_out = len(leaves) if mode == "first" else 0
+    out, pieces = outputs[:num_out], outputs[num_out:]
+    if self.eviction is None:
+      return table, out, None
+    return table, out, (pieces[0], pieces[1:-2], pieces[-2], pieces[-1])
+
+  def _apply_rows(self, words, leaves, active, fn, given=None):
+    extra = [] if given is None else [given]
+
+    def op(shard, words, active, rows):
+      rows, given = (rows[:-1], rows[-1]) if extra else (rows, None)
+      return shard._apply_rows(words, rows, active, fn, given), []
+
+    return self._routed(op, words, active, [*leaves, *extra])[0]
+
+  def _erase_rows(self, fn):
+    return dataclasses.replace(self, shards=jax.vmap(lambda shard: shard._erase_rows(fn))(self.shards))
+
+  def _slot_rows(self, offset, size):
+    words, live = jax.vmap(lambda shard: shard._slots())(self.shards)
+    scores = jax.vmap(lambda shard: shard._scores_by_slot())(self.shards)
+    total = words.shape[0] * words.shape[1]
+    index = offset + jnp.arange(size, dtype=jnp.int32)
+    inside = (index >= 0) & (index < total)
+    index = jnp.clip(index, 0, total - 1)
+
+    def flat(x):
+      return x.reshape(total, *x.shape[2:])[index]
+
+    return flat(words), [flat(v) for v in self.shards.values], flat(scores), inside & flat(live)
 
   def _remove_rows(self, words, active):
     def op(shard, words, active, rows):
@@ -229,19 +299,22 @@ class ShardedTable(Table):
     return self._routed(op, words, active, [])[0]
 
   def _compact(self):
-    words, leaves, valid = self._compact_shards()
+    words, leaves, scores, valid = self._compact_shards()
     rows = words.shape[0] * words.shape[1]
     order = jnp.argsort(~valid.reshape(-1), stable=True)  # live first, shard by shard
-    flat = [x.reshape(rows, *x.shape[2:])[order] for x in (words, *leaves)]
-    return flat[0], flat[1:], valid.reshape(-1)[order]
+    flat = [x.reshape(rows, *x.shape[2:])[order] for x in (words, scores, *leaves)]
+    return flat[0], flat[2:], flat[1], valid.reshape(-1)[order]
 
   def _compact_shards(self):
-    """``(words[S, C, W], leaves, valid[S, C])``: each shard's entries, live first."""
+    """``(words[S, C, W], leaves, scores[S, C], valid[S, C])``: each shard's entries, live first."""
     return jax.vmap(lambda shard: shard._compact())(self.shards)
 
   def _live_by_shard(self):
-    words, leaves, valid = jax.device_get(jax.jit(ShardedTable._compact_shards)(self))
-    return [self._host_entries(words[s], [x[s] for x in leaves], valid[s]) for s in range(self.num_shards)]
+    words, leaves, scores, valid = jax.device_get(jax.jit(ShardedTable._compact_shards)(self))
+    return [
+      self._host_entries(words[s], [x[s] for x in leaves], scores[s], valid[s])
+      for s in range(self.num_shards)
+    ]
 
   # ----------------------------------------------------------- routing
 

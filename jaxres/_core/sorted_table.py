@@ -21,6 +21,7 @@ from jax import lax
 
 from jaxres._core import batch as batch_lib
 from jaxres._core import claims, codec
+from jaxres._core.eviction import check_policy
 from jaxres._core.pytrees import pytree_dataclass, static_field
 from jaxres._core.rows import select_rows, take_rows
 from jaxres._core.storage import Storage, empty_fields
@@ -60,14 +61,18 @@ class SortedTable(Storage):
   count: jax.Array  # shape=(), dtype=int32: sorted rows in use, tombstones included
   values: tuple  # leaves [capacity, *storage_shape]
   default: tuple  # leaves [*storage_shape]
+  slot_scores: jax.Array  # uint32[0]: a sorted table does not evict
   size: jax.Array  # shape=(), dtype=int32
   dropped: jax.Array  # shape=(), dtype=int32
+  clock: jax.Array  # shape=(), dtype=uint32
+  evictions: jax.Array  # shape=(), dtype=int32: always 0
   capacity: int = static_field()
   key_spec: codec.KeySpec = static_field()
   value_spec: ValueSpec = static_field()
+  eviction: None = static_field()
 
   @classmethod
-  def create(cls, capacity: int, key, value, default=0) -> SortedTable:
+  def create(cls, capacity: int, key, value, default=0, *, eviction=None) -> SortedTable:
     """An empty table holding up to ``capacity`` entries.
 
     Args:
@@ -75,8 +80,16 @@ class SortedTable(Storage):
       key: key dtype or ``jax.ShapeDtypeStruct`` (composite keys).
       value: a dtype, a ``jax.ShapeDtypeStruct``, or a pytree of them.
       default: value for missing keys; a matching pytree, scalars broadcast.
+      eviction: must be ``None``: a sorted table cannot evict.
+
+    Raises:
+      ValueError: an eviction policy is given (use :class:`OpenAddressingTable`).
     """
     capacity = check_capacity(capacity)
+    if check_policy(eviction) is not None:
+      raise ValueError(
+        f"eviction: a SortedTable cannot evict; use jr.OpenAddressingTable for eviction={eviction}."
+      )
     key_spec, value_spec, default = cls._specs(key, value, default)
     return _empty(capacity, key_spec, value_spec, default)
 
@@ -114,22 +127,20 @@ class SortedTable(Storage):
     fresh = admitted & ~present
     return lax.cond(jnp.any(fresh), _merge, lambda t, *_: t, table, groups.words, rows, fresh, position)
 
-  def _upsert_rows(self, words, leaves, active, mode):
+  def _upsert_rows(self, words, leaves, active, mode, given=None):
+    del given  # no scores to give
     found, slot = self._locate(words)
     # Updating present keys needs no sorting; only new keys are merged in order.
     update = functools.partial(_update_existing, leaves=leaves, slot=slot, active=active, mode=mode)
     merge = functools.partial(_sorted_upsert, words=words, leaves=leaves, active=active, mode=mode)
-    return lax.cond(jnp.all(found if active is None else found | ~active), update, merge, self)
+    return (*lax.cond(jnp.all(found if active is None else found | ~active), update, merge, self), None)
 
   def _release(self, words, slot, mask):
     live = self.live.at[jnp.where(mask, slot, self.capacity)].set(False, mode="drop")
     return dataclasses.replace(self, live=live)
 
-  def _compact(self):
-    target = jnp.where(self.live, jnp.cumsum(self.live, dtype=jnp.int32) - 1, self.capacity)
-    words = jnp.zeros_like(self.keys).at[target].set(self.keys, mode="drop")
-    leaves = [jnp.zeros_like(v).at[target].set(v, mode="drop") for v in self.values]
-    return words, leaves, jnp.arange(self.capacity) < self.size
+  def _slots(self):
+    return self.keys, self.live
 
 
 def _update_existing(table: SortedTable, leaves, slot, active, mode: str) -> tuple[SortedTable, list]:
@@ -212,5 +223,5 @@ def _empty(capacity, key_spec, value_spec, default):
     keys=jnp.zeros((capacity, key_spec.num_words), jnp.uint32),
     live=jnp.zeros((capacity,), bool),
     count=jnp.zeros((), jnp.int32),
-    **empty_fields(capacity, key_spec, value_spec, default, rows=capacity),
+    **empty_fields(capacity, key_spec, value_spec, default, rows=capacity, eviction=None),
   )

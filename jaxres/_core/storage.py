@@ -2,10 +2,11 @@
 
 The open-addressing and sorted storages differ in how they find, store and
 delete keys; :class:`Storage` builds the row operations of the :class:`Table`
-protocol that they share on top of three primitives:
+protocol that they share on top of four primitives:
 
 * ``_locate(words)``: ``(found, slot)`` of live entries;
 * ``_release(words, slot, mask)``: delete entries;
+* ``_slots()``: every slot's key words and whether it holds an entry;
 * ``_compact()``: all live entries packed at the front of ``capacity`` rows.
 
 Each storage implements ``_upsert_rows`` (insert and find_or_insert) itself.
@@ -21,29 +22,62 @@ import jax
 import jax.numpy as jnp
 
 from jaxres._core import claims
+from jaxres._core.eviction import Policy
 from jaxres._core.rows import select_rows, take_rows
 from jaxres._core.table import Table
 
 
-def empty_fields(capacity: int, key_spec, value_spec, default, rows: int) -> dict:
-  """The fields every storage starts with: no entries and ``rows`` value rows."""
+def empty_fields(capacity: int, key_spec, value_spec, default, rows: int, eviction: Policy | None) -> dict:
+  """The fields every storage starts with: no entries, ``rows`` value rows, and a score per row
+  when the table evicts."""
   return {
     "values": tuple(value_spec.empty((rows,))),
     "default": tuple(default),
+    "slot_scores": jnp.zeros((rows if eviction is not None else 0,), jnp.uint32),
     "size": jnp.zeros((), jnp.int32),
     "dropped": jnp.zeros((), jnp.int32),
+    "clock": jnp.zeros((), jnp.uint32),
+    "evictions": jnp.zeros((), jnp.int32),
     "capacity": capacity,
     "key_spec": key_spec,
     "value_spec": value_spec,
+    "eviction": eviction,
   }
 
 
 class Storage(Table):
-  """A table held in one set of arrays: the row operations, written once over three primitives."""
+  """A table held in one set of arrays: the row operations, written once over four primitives."""
+
+  slot_scores: jax.Array  # uint32[rows] with an eviction policy, else uint32[0]
+
+  def _tick(self) -> Storage:
+    return dataclasses.replace(self, clock=self.clock + jnp.uint32(1))
+
+  def _carry(self, other: Storage) -> Storage:
+    return dataclasses.replace(self, clock=other.clock, evictions=other.evictions)
+
+  def _restored_counters(self, counters: dict) -> Storage:
+    return dataclasses.replace(
+      self,
+      clock=jnp.asarray(counters.get("clock", 0), jnp.uint32),
+      evictions=jnp.asarray(counters.get("evictions", 0), jnp.int32),
+    )
+
+  @property
+  def num_slots(self) -> int:
+    return self.values[0].shape[0]
 
   def _lookup_rows(self, words, defaults):
     found, slot = self._locate(words)
     return select_rows(found, take_rows(self.values, slot), defaults), found
+
+  def _score_rows(self, words):
+    found, slot = self._locate(words)
+    return jnp.where(found, self._scores_by_slot()[slot], jnp.uint32(0))
+
+  def _scores_by_slot(self) -> jax.Array:
+    """uint32[rows]: each slot's score (zeros for a table without eviction)."""
+    return self.slot_scores if self.eviction is not None else jnp.zeros(self.values[0].shape[:1], jnp.uint32)
 
   def _remove_rows(self, words, active):
     """The first active row of each present key releases it."""
@@ -53,7 +87,7 @@ class Storage(Table):
     table = self._release(words, slot, first)
     return dataclasses.replace(table, size=table.size - jnp.sum(first, dtype=jnp.int32))
 
-  def _apply_rows(self, words, leaves, active, fn):
+  def _apply_rows(self, words, leaves, active, fn, given):
     """insert_or_apply: the first occurrence of a new key inserts, every other row folds in.
 
     Each round applies ``fn`` to the earliest pending row of every slot, so the
@@ -61,7 +95,7 @@ class Storage(Table):
     times one key occurs in the batch.
     """
     before, _ = self._locate(words)
-    table, _ = self._upsert_rows(words, leaves, active, "first")
+    table, _, _ = self._upsert_rows(words, leaves, active, "first", given)
     present, slot = table._locate(words)
     present = present if active is None else present & active
     inserted = claims.first_per_slot(slot, present & ~before)
@@ -86,11 +120,42 @@ class Storage(Table):
     table, _ = jax.lax.while_loop(lambda s: jnp.any(s[1]), fold, (table, pending))
     return table
 
+  def _erase_rows(self, fn):
+    """Removes the entries for which ``fn(keys, values, scores)`` is True (one pass over the slots)."""
+    words, live = self._slots()
+    keys = self.key_spec.decode(words)
+    erase = jnp.asarray(fn(keys, self.value_spec.from_storage(list(self.values)), self._scores_by_slot()))
+    if erase.shape != live.shape or erase.dtype != bool:
+      raise TypeError(
+        f"fn: must return bool[{live.shape[0]}] (one per slot), got {erase.dtype}{list(erase.shape)}."
+      )
+    erase = erase & live
+    table = self._release(words, jnp.arange(live.shape[0], dtype=jnp.int32), erase)
+    return dataclasses.replace(table, size=table.size - jnp.sum(erase, dtype=jnp.int32))
+
+  def _slot_rows(self, offset, size: int):
+    """``(words, leaves, scores, valid)`` of slots ``[offset, offset + size)`` (past the end: not valid)."""
+    words, live = self._slots()
+    index = offset + jnp.arange(size, dtype=jnp.int32)
+    inside = (index >= 0) & (index < live.shape[0])
+    index = jnp.clip(index, 0, live.shape[0] - 1)
+    return words[index], take_rows(self.values, index), self._scores_by_slot()[index], inside & live[index]
+
   def _write(self, slot, rows, mask) -> Storage:
     """Overwrites the values of existing entries at ``slot`` where ``mask``."""
     index = jnp.where(mask, slot, self.values[0].shape[0])
     values = tuple(v.at[index].set(r, mode="drop") for v, r in zip(self.values, rows))
     return dataclasses.replace(self, values=values)
+
+  def _compact(self):
+    words, live = self._slots()
+    target = jnp.where(live, jnp.cumsum(live, dtype=jnp.int32) - 1, self.capacity)
+
+    def packed(x):
+      return jnp.zeros((self.capacity, *x.shape[1:]), x.dtype).at[target].set(x, mode="drop")
+
+    leaves = [packed(v) for v in self.values]
+    return packed(words), leaves, packed(self._scores_by_slot()), jnp.arange(self.capacity) < self.size
 
   @abc.abstractmethod
   def _locate(self, words) -> tuple[jax.Array, jax.Array]:
@@ -99,6 +164,10 @@ class Storage(Table):
   @abc.abstractmethod
   def _release(self, words, slot, mask) -> Storage:
     """Deletes the entries of keys ``words`` at ``slot`` where ``mask`` (unique keys)."""
+
+  @abc.abstractmethod
+  def _slots(self) -> tuple[jax.Array, jax.Array]:
+    """``(words[rows, W], live bool[rows])``: the key words in each slot and whether it holds an entry."""
 
 
 # Reductions whose result on integers does not depend on the order of the

@@ -1,19 +1,19 @@
 """The ``Table`` protocol: argument checking on the host, one jitted function per operation.
 
-Public methods validate and encode arguments on the host, then call one of the
-jitted functions below, so eager calls are compiled once per shape and calls
-inside a user's ``jit`` simply inline. Those functions work on flat batches of
-uint32 key rows through a table's row operations (``_lookup_rows``,
-``_upsert_rows``, ``_apply_rows``, ``_remove_rows``, ``_compact``), which each
-kind of table implements: the storages (:mod:`storage`) in their arrays, a
-sharded table by routing each row to the storage that owns its key.
+Public methods check and encode their arguments on the host (:mod:`calls`),
+then call one of the jitted functions below, so eager calls are compiled once
+per shape and calls inside a user's ``jit`` simply inline. Those functions work
+on flat batches of uint32 key rows through a table's row operations
+(``_lookup_rows``, ``_upsert_rows``, ``_apply_rows``, ``_remove_rows``, ...),
+which each kind of table implements: the storages (:mod:`storage`) in their
+arrays, a sharded table by routing each row to the storage that owns its key.
+Calls that change a table advance its ``clock`` once (``_tick``).
 """
 
 from __future__ import annotations
 
 import abc
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -21,13 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxres._core import codec, display, entries
+from jaxres._core import calls, codec, display, entries
 from jaxres._core.args import check_int
+from jaxres._core.eviction import Evicted, Policy
 from jaxres._core.rows import select_rows
 from jaxres._core.values import ValueSpec
 
 _MAX_CAPACITY = 2**30
-_MIN_EAGER_ROWS = 8  # eager batches are padded to a power of two of at least this many rows
 
 
 def check_capacity(capacity, name: str = "capacity") -> int:
@@ -46,24 +46,39 @@ def _jit_contains(table: Table, words):
 
 
 @jax.jit
+def _jit_scores(table: Table, words):
+  return table._score_rows(words)
+
+
+@jax.jit
 def _jit_compact(table: Table):
   return table._compact()
 
 
 @jax.jit
 def _jit_remove(table: Table, words, active):
-  return table._remove_rows(words, active)
+  return table._tick()._remove_rows(words, active)
 
 
-@functools.partial(jax.jit, static_argnames=("mode",))
-def _jit_upsert(table: Table, words, leaves, active, *, mode: str):
-  """insert ("insert": last duplicate wins) and find_or_insert ("first")."""
-  return table._upsert_rows(words, leaves, active, mode)
+@functools.partial(jax.jit, static_argnames=("mode", "tick"))
+def _jit_upsert(table: Table, words, leaves, active, given, *, mode: str, tick: bool = True):
+  """insert ("insert": last duplicate wins) and find_or_insert ("first"): ``(table, out, evicted)``."""
+  return (table._tick() if tick else table)._upsert_rows(words, leaves, active, mode, given)
 
 
 @functools.partial(jax.jit, static_argnames=("fn",))
-def _jit_apply(table: Table, words, leaves, active, *, fn):
-  return table._apply_rows(words, leaves, active, fn)
+def _jit_apply(table: Table, words, leaves, active, given, *, fn):
+  return table._tick()._apply_rows(words, leaves, active, fn, given)
+
+
+@functools.partial(jax.jit, static_argnames=("fn",))
+def _jit_erase(table: Table, *, fn):
+  return table._tick()._erase_rows(fn)
+
+
+@functools.partial(jax.jit, static_argnames=("size",))
+def _jit_slots(table: Table, offset, *, size: int):
+  return table._slot_rows(offset, size)
 
 
 class Table(abc.ABC):
@@ -79,6 +94,10 @@ class Table(abc.ABC):
   vectors of them, with any leading batch shape. Every value of the dtype is a
   valid key. With ``jax_enable_x64`` off, 64-bit keys are given as NumPy arrays
   on the host, or as ``uint32[..., 2]`` word pairs (see :mod:`jaxres.keys`).
+
+  A table created with an eviction policy (``eviction=jr.LRU()``, ...) keeps a
+  score per entry and evicts when full instead of refusing new keys (see
+  :mod:`jaxres._core.eviction`).
   """
 
   _checkpoint_kind = "table"  # checkpoints of stateful and functional tables are interchangeable
@@ -88,11 +107,12 @@ class Table(abc.ABC):
   default: tuple
   size: jax.Array  # shape=(), dtype=int32: live entries
   dropped: jax.Array  # shape=(), dtype=int32: keys an insert could not place
+  clock: jax.Array  # shape=(), dtype=uint32: mutating calls so far (LRU time)
+  evictions: jax.Array  # shape=(), dtype=int32: entries evicted or refused so far
   capacity: int
   key_spec: codec.KeySpec
   value_spec: ValueSpec
-
-  # ------------------------------------------------------------------ args
+  eviction: Policy | None
 
   @classmethod
   def _specs(cls, key, value, default):
@@ -101,55 +121,10 @@ class Table(abc.ABC):
     default_leaves = tuple(value_spec.to_storage(value_spec.spread(default), (), "default", broadcast=True))
     return key_spec, value_spec, default_leaves
 
-  def _keys(self, keys, name="keys"):
-    words, batch = self.key_spec.encode(keys, name)
-    return words.reshape(-1, self.key_spec.num_words), batch
-
-  def _values(self, values, batch, name="values"):
-    n = math.prod(batch)
-    leaves = self.value_spec.to_storage(values, batch, name)
-    return [x.reshape((n, *x.shape[len(batch) :])) for x in leaves]
-
-  def _output(self, leaves, batch):
-    return self.value_spec.from_storage([x.reshape(batch + x.shape[1:]) for x in leaves])
-
-  def _default(self, default, batch):
-    if default is None:
-      return [jnp.broadcast_to(d, batch + d.shape) for d in self.default]
-    return self.value_spec.to_storage(self.value_spec.spread(default), batch, "default", broadcast=True)
-
-  def _active(self, valid, batch):
-    """``valid`` as a flat ``bool`` mask, or ``None``."""
-    if valid is None:
-      return None
-    active = jnp.asarray(valid)
-    if active.dtype != bool or active.shape != batch:
-      raise ValueError(f"valid: expected bool{list(batch)}, got {active.dtype}{list(active.shape)}.")
-    return active.reshape(-1)
-
-  def _padded(self, words, leaves, active):
-    """Eager batches padded to a power of two (>= 8 rows), the padding masked.
-
-    Each new batch shape compiles a new executable, and on XLA:CPU each one
-    holds hundreds of memory mappings; padding bounds eager calls to a few
-    shapes. Under ``jit`` the caller's shapes are kept.
-
-    Returns ``(words, leaves, active, n)`` with ``n`` the rows before padding.
-    """
-    n = words.shape[0]
-    if codec.is_traced(words):
-      return words, leaves, active, n
-    size = max(_MIN_EAGER_ROWS, 1 << (n - 1).bit_length())
-
-    def pad(x):
-      return x if size == n else jnp.pad(x, [(0, size - n)] + [(0, 0)] * (x.ndim - 1))
-
-    # Always a mask, so padded and unpadded batches of one size share a compile.
-    active = jnp.arange(size) < n if active is None else pad(active)
-    return pad(words), [pad(x) for x in leaves], active, n
-
-  def _empty_result(self, batch):
-    return self._output([x.reshape((0, *x.shape[len(batch) :])) for x in self._default(None, batch)], batch)
+  @property
+  @abc.abstractmethod
+  def num_slots(self) -> int:
+    """Slots the table's arrays have (``export_batch`` streams them): at least ``capacity``."""
 
   # ------------------------------------------------------------- queries
 
@@ -192,29 +167,35 @@ class Table(abc.ABC):
 
   def contains(self, keys) -> jax.Array:
     """``bool[*batch]``: whether each key is present."""
-    words, batch = self._keys(keys)
-    if not words.shape[0]:
-      return jnp.zeros(batch, bool)
-    words, _, _, n = self._padded(words, [], None)
-    return _jit_contains(self, words)[:n].reshape(batch)
+    rows = calls.prepare(self, keys)
+    if not rows.n:
+      return jnp.zeros(rows.batch, bool)
+    return _jit_contains(self, rows.words)[: rows.n].reshape(rows.batch)
+
+  def scores(self, keys) -> jax.Array:
+    """``uint32[*batch]``: the score of each key (0 where missing, and in a table without eviction)."""
+    rows = calls.prepare(self, keys)
+    if not rows.n:
+      return jnp.zeros(rows.batch, jnp.uint32)
+    return _jit_scores(self, rows.words)[: rows.n].reshape(rows.batch)
 
   def _lookup(self, keys, default):
-    words, batch = self._keys(keys)
-    defaults = self._default(default, batch)
-    if not words.shape[0]:
-      return self._empty_result(batch), jnp.zeros(batch, bool)
-    flat_defaults = [d.reshape((words.shape[0], *d.shape[len(batch) :])) for d in defaults]
-    words, flat_defaults, _, n = self._padded(words, flat_defaults, None)
-    leaves, found = _jit_lookup(self, words, flat_defaults)
-    return self._output([x[:n] for x in leaves], batch), found[:n].reshape(batch)
+    rows = calls.prepare(self, keys)
+    batch = rows.batch
+    flat = [d.reshape((rows.n, *d.shape[len(batch) :])) for d in calls.defaults(self, default, batch)]
+    if not rows.n:
+      return calls.output(self, flat, batch), jnp.zeros(batch, bool)
+    leaves, found = _jit_lookup(self, rows.words, [calls.pad_to(x, rows) for x in flat])
+    return calls.output(self, [x[: rows.n] for x in leaves], batch), found[: rows.n].reshape(batch)
 
   # ----------------------------------------------------------- mutations
 
-  def insert(self, keys, values, valid=None) -> Table:
+  def insert(self, keys, values, valid=None, scores=None) -> Table:
     """Inserts or assigns; the last duplicate in the batch wins.
 
     New keys that do not fit (``size == capacity``) are counted in
-    :attr:`dropped` instead, in batch order, exactly as a one-at-a-time loop.
+    :attr:`dropped` instead, in batch order, exactly as a one-at-a-time loop;
+    with an eviction policy they evict (see :meth:`insert_and_evict`).
 
     Args:
       keys: ``key_dtype[*batch, *key_shape]``.
@@ -222,29 +203,49 @@ class Table(abc.ABC):
         leaf broadcasts).
       valid: optional ``bool[*batch]``; rows marked ``False`` are skipped
         (padding in a fixed-shape batch).
+      scores: ``uint32[*batch]``, the keys' scores: required with
+        ``eviction=jr.CustomScore()``, refused otherwise.
 
     Returns:
       The new table.
     """
-    words, batch = self._keys(keys)
-    leaves = self._values(values, batch)
-    active = self._active(valid, batch)
-    if not words.shape[0]:
-      return self
-    return _jit_upsert(self, *self._padded(words, leaves, active)[:3], mode="insert")[0]
+    return self.insert_and_evict(keys, values, valid, scores)[0]
 
-  def find_or_insert(self, keys, values, valid=None) -> tuple[Table, Any]:
+  def insert_and_evict(self, keys, values, valid=None, scores=None) -> tuple[Table, Evicted]:
+    """:meth:`insert`, also returning the entries that left: ``(table, evicted)``.
+
+    ``evicted`` (:class:`Evicted`) has one row per key row: the entry the row's
+    new key replaced, or the key itself when it was refused (its score was not
+    above any candidate's). With an eviction policy, every key that was in the
+    table or offered to it is afterwards in the table or in ``evicted``.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxres as jr
+      >>> t = jr.OpenAddressingTable.create(2, key=jnp.int32, value=jnp.float32, eviction=jr.LFU())
+      >>> t = t.insert(jnp.array([1, 1, 2]), jnp.array([1.0, 1.0, 2.0]))   # 1 seen twice, 2 once
+      >>> t, evicted = t.insert_and_evict(jnp.array([3, 3]), jnp.array([3.0, 3.0]))
+      >>> evicted.keys.tolist(), evicted.valid.tolist(), t.find(jnp.array([1, 2, 3])).tolist()
+      ([2, 0], [True, False], [1.0, 0.0, 3.0])
+    """
+    rows = calls.prepare(self, keys, values, valid, scores)
+    if not rows.n:
+      return self, calls.evicted(self, None, rows)
+    table, _, evicted = _jit_upsert(self, rows.words, rows.leaves, rows.active, rows.given, mode="insert")
+    return table, calls.evicted(self, evicted, rows)
+
+  def find_or_insert(self, keys, values, valid=None, scores=None) -> tuple[Table, Any]:
     """Returns existing values and inserts the missing keys with ``values``.
 
     The first occurrence of a new key inserts it; later duplicates see that
     value. A new key that does not fit gets the table default and is counted
-    in :attr:`dropped`.
+    in :attr:`dropped` (with an eviction policy, it evicts or is refused).
 
     Args:
       keys: ``key_dtype[*batch, *key_shape]``.
       values: value pytree with leaves ``[*batch, *value_shape]``.
       valid: optional ``bool[*batch]``; rows marked ``False`` are skipped
         and get the table default (padding in a fixed-shape batch).
+      scores: as for :meth:`insert`.
 
     Returns:
       ``(table, values)`` where ``values`` has leaves ``[*batch, *value_shape]``.
@@ -256,19 +257,29 @@ class Table(abc.ABC):
       >>> rows.tolist()
       [0, 1, 0]
     """
-    words, batch = self._keys(keys)
-    leaves = self._values(values, batch)
-    active = self._active(valid, batch)
-    if not words.shape[0]:
-      return self, self._empty_result(batch)
-    padded_words, padded_leaves, padded_active, n = self._padded(words, leaves, active)
-    table, out = _jit_upsert(self, padded_words, padded_leaves, padded_active, mode="first")
-    out = [x[:n] for x in out]
-    if active is not None:
-      out = select_rows(active, out, self._default(None, (n,)))
-    return table, self._output(out, batch)
+    table, found, _ = self.find_or_insert_and_evict(keys, values, valid, scores)
+    return table, found
 
-  def insert_or_apply(self, keys, values, fn: Callable, valid=None) -> Table:
+  def find_or_insert_and_evict(self, keys, values, valid=None, scores=None) -> tuple[Table, Any, Evicted]:
+    """:meth:`find_or_insert`, also returning the entries that left: ``(table, values, evicted)``.
+
+    ``evicted`` is as for :meth:`insert_and_evict`; a refused key reads the
+    table default.
+    """
+    rows = calls.prepare(self, keys, values, valid, scores)
+    if not rows.n:
+      return (
+        self,
+        calls.output(self, [x[:0] for x in rows.leaves], rows.batch),
+        calls.evicted(self, None, rows),
+      )
+    table, out, evicted = _jit_upsert(self, rows.words, rows.leaves, rows.active, rows.given, mode="first")
+    out = [x[: rows.n] for x in out]
+    if valid is not None:
+      out = select_rows(rows.active[: rows.n], out, calls.defaults(self, None, (rows.n,)))
+    return table, calls.output(self, out, rows.batch), calls.evicted(self, evicted, rows)
+
+  def insert_or_apply(self, keys, values, fn: Callable, valid=None, scores=None) -> Table:
     """New keys get ``values``; existing ones become ``fn(old, new)``.
 
     Duplicates within the batch fold in order: a key ``k`` present with value
@@ -283,6 +294,7 @@ class Table(abc.ABC):
         each call to avoid recompiling.
       valid: optional ``bool[*batch]``; rows marked ``False`` are skipped
         (padding in a fixed-shape batch).
+      scores: as for :meth:`insert`.
 
     Example:
       >>> import jax.numpy as jnp, jaxres as jr
@@ -293,13 +305,11 @@ class Table(abc.ABC):
     """
     if not callable(fn):
       raise TypeError(f"fn: expected a callable fn(old, new), got {fn!r}.")
-    words, batch = self._keys(keys)
-    leaves = self._values(values, batch)
-    active = self._active(valid, batch)
-    if not words.shape[0]:
+    rows = calls.prepare(self, keys, values, valid, scores)
+    if not rows.n:
       return self
     self._check_fn(fn)
-    return _jit_apply(self, *self._padded(words, leaves, active)[:3], fn=fn)
+    return _jit_apply(self, rows.words, rows.leaves, rows.active, rows.given, fn=fn)
 
   def _check_fn(self, fn):
     entry = [jax.ShapeDtypeStruct(s.storage_shape, s.storage_dtype) for s in self.value_spec.leaves]
@@ -321,12 +331,33 @@ class Table(abc.ABC):
       valid: optional ``bool[*batch]``; rows marked ``False`` are skipped
         (padding in a fixed-shape batch).
     """
-    words, batch = self._keys(keys)
-    active = self._active(valid, batch)
-    if not words.shape[0]:
+    rows = calls.prepare(self, keys, valid=valid)
+    if not rows.n:
       return self
-    words, _, active, _ = self._padded(words, [], active)
-    return _jit_remove(self, words, active)
+    return _jit_remove(self, rows.words, rows.active)
+
+  def erase_if(self, fn: Callable) -> Table:
+    """Removes every entry for which ``fn(keys, values, scores)`` is True: expiry, O(capacity).
+
+    ``fn`` gets every slot at once: keys ``[num_slots, *key_shape]`` (64-bit
+    keys as word pairs with x64 off), the value pytree and ``uint32`` scores
+    ``[num_slots]`` (0 without eviction); it returns ``bool[num_slots]`` (slots
+    holding no entry are ignored). Pass the same function object each call to
+    avoid recompiling.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxres as jr
+      >>> t = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.float32, eviction=jr.LRU())
+      >>> for key in range(3):  # key k is inserted at clock k + 1
+      ...   t = t.insert(jnp.array([key]), jnp.array([1.0]))
+      >>> ttl = 1  # calls an entry may go unnamed
+      >>> t = t.erase_if(lambda keys, values, scores: scores + ttl < t.clock)
+      >>> t.contains(jnp.array([0, 1, 2])).tolist()
+      [False, True, True]
+    """
+    if not callable(fn):
+      raise TypeError(f"fn: expected a callable fn(keys, values, scores), got {fn!r}.")
+    return _jit_erase(self, fn=fn)
 
   # ------------------------------------------------------ whole contents
 
@@ -338,90 +369,131 @@ class Table(abc.ABC):
     back as NumPy arrays when x64 is off and the call is eager, and as word
     pairs under ``jit``.
     """
-    words, leaves, valid = _jit_compact(self)
+    words, leaves, _, valid = _jit_compact(self)
     words = jnp.where(valid[:, None], words, self.key_spec.encode_zero())
     return self.key_spec.decode(words), self.value_spec.from_storage(leaves), valid
 
-  def import_(self, keys, values, valid=None) -> Table:
+  def export_batch(self, offset, size: int):
+    """Slots ``[offset, offset + size)`` as ``(keys, values, scores, valid)``: any table, in chunks.
+
+    ``valid`` marks the slots holding an entry (slots past :attr:`num_slots`
+    hold none), so ``range(0, t.num_slots, size)`` streams every entry exactly
+    once. ``size`` is static; ``offset`` may be traced.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxres as jr
+      >>> t = jr.OpenAddressingTable.create(4, key=jnp.int32, value=jnp.float32)
+      >>> t = t.insert(jnp.arange(4), jnp.arange(4.0))
+      >>> chunks = [t.export_batch(offset, 4) for offset in range(0, t.num_slots, 4)]
+      >>> sorted(int(k) for keys, _, _, valid in chunks for k in keys[valid])
+      [0, 1, 2, 3]
+    """
+    size = check_int(size, "size", low=1)
+    if not codec.is_traced(offset):
+      offset = check_int(offset, "offset")
+    words, leaves, scores, valid = _jit_slots(self, jnp.asarray(offset, jnp.int32), size=size)
+    words = jnp.where(valid[:, None], words, self.key_spec.encode_zero())
+    return self.key_spec.decode(words), self.value_spec.from_storage(leaves), scores, valid
+
+  def import_(self, keys, values, valid=None, scores=None) -> Table:
     """A table of the same capacity holding exactly the given entries.
 
     Args:
       keys: ``key_dtype[n, *key_shape]``.
       values: value pytree with leaves ``[n, *value_shape]``.
       valid: optional ``bool[n]``; rows marked ``False`` are ignored.
+      scores: with an eviction policy, the entries' scores (``uint32[n]``);
+        by default they are scored as an insert would score them.
 
-    Entries beyond the capacity are counted in :attr:`dropped`, which
-    otherwise restarts at zero.
+    Entries beyond the capacity are counted in :attr:`dropped` (with an
+    eviction policy, the lowest-scored are evicted), which otherwise restarts
+    at zero.
     """
-    words, batch = self._keys(keys)
-    leaves = self._values(values, batch)
-    active = self._active(valid, batch)
+    rows = calls.prepare(self, keys, values, valid, scores, explicit_scores=True)
     empty = self._cleared()
-    if not words.shape[0]:
+    if not rows.n:
       return empty
-    return _jit_upsert(empty, *self._padded(words, leaves, active)[:3], mode="insert")[0]
+    return _jit_upsert(empty, rows.words, rows.leaves, rows.active, rows.given, mode="insert")[0]
 
   def resize(self, capacity: int) -> Table:
-    """The same contents in a table of another ``capacity`` (static).
+    """The same contents (and scores) in a table of another ``capacity`` (static).
 
     Raises:
       ValueError: eagerly, when ``capacity`` is below the current size (under
-        ``jit`` the entries that do not fit are counted in ``dropped``).
+        ``jit`` the entries that do not fit are counted in ``dropped``, or
+        evicted).
     """
     capacity = check_capacity(capacity)
     if not codec.is_traced(self.size) and int(self.size) > capacity:
       raise ValueError(f"capacity: {capacity} is below the table's size {int(self.size)}.")
-    words, leaves, valid = _jit_compact(self)
-    return _jit_upsert(self._with_capacity(capacity), words, leaves, valid, mode="insert")[0]
+    words, leaves, scores, valid = _jit_compact(self)
+    target = self._with_capacity(capacity)._carry(self)
+    given = scores if self.eviction is not None else None
+    return _jit_upsert(target, words, leaves, valid, given, mode="insert", tick=False)[0]
 
   # ------------------------------------------------------ checkpoints
 
   def _serialize_to_arrays(self) -> dict[str, np.ndarray]:
     """The live entries as named host arrays (see :mod:`entries`): keys in their exact dtype."""
-    return entries.to_arrays(self._live_by_shard(), self.value_spec)
+    counters = None if self.eviction is None else {"clock": self.clock, "evictions": self.evictions}
+    return entries.to_arrays(self._live_by_shard(), self.value_spec, jax.device_get(counters))
 
   def _from_arrays(self, arrays) -> Table:
     """This table (its storage, capacity, mesh) holding exactly the entries of ``arrays``.
+
+    Scores and the clock are restored when both the checkpoint and this table
+    keep them; entries saved without scores are scored as inserted now.
 
     Raises:
       TypeError: ``arrays`` are not a table's.
       ValueError: keys or values of other dtypes or shapes, or more entries
         than the capacity holds.
     """
-    keys, values = entries.from_arrays(arrays, self.key_spec, self.value_spec)
-    table = self.import_(keys, values)
-    if int(table.dropped):
+    keys, values, scores, counters = entries.from_arrays(arrays, self.key_spec, self.value_spec)
+    keep = self.eviction is not None
+    if not keep:
+      scores = None
+    elif scores is None and self.eviction.takes_scores:
+      scores = np.zeros(len(keys), np.uint32)
+    table = self.import_(keys, values, scores=scores)
+    lost = int(table.dropped) + int(table.evictions) - (int(self.evictions) if keep else 0)
+    if lost:
       raise ValueError(
-        f"{len(keys)} entries do not fit a table of capacity {self.capacity} "
-        f"({int(table.dropped)} would be lost)."
+        f"{len(keys)} entries do not fit a table of capacity {self.capacity} ({lost} would be lost)."
       )
-    return table
+    return table._restored_counters(counters) if keep and counters else table
 
   def _live_by_shard(self) -> list[entries.Entries]:
-    """The live entries on the host, ``(keys, value leaves)`` per shard, in exact dtypes."""
-    words, leaves, valid = jax.device_get(_jit_compact(self))
-    return [self._host_entries(words, leaves, valid)]
+    """The live entries on the host, ``(keys, value leaves, scores)`` per shard, in exact dtypes."""
+    words, leaves, scores, valid = jax.device_get(_jit_compact(self))
+    return [self._host_entries(words, leaves, scores, valid)]
 
-  def _host_entries(self, words, leaves, valid) -> entries.Entries:
+  def _host_entries(self, words, leaves, scores, valid) -> entries.Entries:
     live = np.asarray(valid)
     keys = self.key_spec.decode(jnp.asarray(np.asarray(words)[live]))
     values = self.value_spec.from_storage([jnp.asarray(np.asarray(x)[live]) for x in leaves])
-    return np.asarray(keys), [np.asarray(x) for x in jax.tree.leaves(values)]
+    kept = np.asarray(scores)[live] if self.eviction is not None else None
+    return np.asarray(keys), [np.asarray(x) for x in jax.tree.leaves(values)], kept
 
   def __repr__(self) -> str:
     size = "traced" if codec.is_traced(self.size) else int(self.size)
+    policy = "" if self.eviction is None else f", eviction={self.eviction}"
     return (
       f"{type(self).__name__}(capacity={self.capacity}, size={size}, "
-      f"key={self.key_spec}, value={self.value_spec})"
+      f"key={self.key_spec}, value={self.value_spec}{policy})"
     )
 
   def _repr_html_(self) -> str:
     """A notebook summary: specs, size, load and the first live entries."""
     facts = {"key": str(self.key_spec), "value": str(self.value_spec), "capacity": f"{self.capacity:,}"}
+    if self.eviction is not None:
+      facts["eviction"] = str(self.eviction)
     if codec.is_traced(self.size):
       return display.html_table(type(self).__name__, facts, [], 0)
     size = int(self.size)
     facts |= {"size": f"{size:,}", "load": f"{size / self.capacity:.2f}", "dropped": f"{int(self.dropped):,}"}
+    if self.eviction is not None:
+      facts["evictions"] = f"{int(self.evictions):,}"
     keys, values, _ = jax.device_get(self.export())  # live entries first
     return display.html_table(
       type(self).__name__, facts, display.first_entries(keys, values, min(10, size)), size
@@ -431,22 +503,45 @@ class Table(abc.ABC):
   # Flat batches of uint32 key rows, called inside the jitted functions above.
 
   def _cleared(self) -> Table:
-    return self._with_capacity(self.capacity)
+    """An empty table like this one, same capacity; the clock and eviction count go on."""
+    return self._with_capacity(self.capacity)._carry(self)
 
   @abc.abstractmethod
   def _with_capacity(self, capacity: int) -> Table:
-    """An empty table with this one's specs and default and a new capacity."""
+    """An empty table with this one's specs, default and policy and a new capacity."""
+
+  @abc.abstractmethod
+  def _carry(self, other: Table) -> Table:
+    """This table with ``other``'s clock and eviction count (an empty table taking over)."""
+
+  @abc.abstractmethod
+  def _restored_counters(self, counters: dict) -> Table:
+    """This table with a checkpoint's ``clock`` and ``evictions``."""
+
+  @abc.abstractmethod
+  def _tick(self) -> Table:
+    """This table with its clock advanced by one call."""
 
   @abc.abstractmethod
   def _lookup_rows(self, words, defaults) -> tuple[list, jax.Array]:
     """``(leaves, found)``: stored values of present keys, ``defaults`` (leaves) elsewhere."""
 
   @abc.abstractmethod
-  def _upsert_rows(self, words, leaves, active, mode) -> tuple[Table, list]:
-    """insert (``mode="insert"``) or find_or_insert (``"first"``) on flat rows."""
+  def _score_rows(self, words) -> jax.Array:
+    """``uint32[N]``: the scores of present keys, 0 elsewhere."""
 
   @abc.abstractmethod
-  def _apply_rows(self, words, leaves, active, fn) -> Table:
+  def _upsert_rows(self, words, leaves, active, mode, given=None) -> tuple[Table, list, tuple | None]:
+    """insert (``mode="insert"``) or find_or_insert (``"first"``) on flat rows.
+
+    Returns ``(table, out, evicted)``: ``out`` the found-or-inserted values
+    (``"first"``), ``evicted`` the rows' ``(words, leaves, scores, valid)``
+    (``None`` without an eviction policy). ``given``: scores for the keys
+    (``CustomScore``, or entries moved with their scores).
+    """
+
+  @abc.abstractmethod
+  def _apply_rows(self, words, leaves, active, fn, given=None) -> Table:
     """insert_or_apply on flat rows."""
 
   @abc.abstractmethod
@@ -454,5 +549,13 @@ class Table(abc.ABC):
     """remove on flat rows."""
 
   @abc.abstractmethod
-  def _compact(self) -> tuple[jax.Array, list, jax.Array]:
-    """``(words[rows, W], leaves, valid)`` with the live entries first."""
+  def _erase_rows(self, fn) -> Table:
+    """erase_if over every slot."""
+
+  @abc.abstractmethod
+  def _slot_rows(self, offset, size: int) -> tuple:
+    """``(words, leaves, scores, valid)`` of ``size`` slots from ``offset``."""
+
+  @abc.abstractmethod
+  def _compact(self) -> tuple[jax.Array, list, jax.Array, jax.Array]:
+    """``(words[capacity, W], leaves, scores, valid)`` with the live entries first."""

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxres._core import codec, display, entries
+from jaxres._core.eviction import check_policy
 from jaxres._core.open_addressing import OpenAddressingTable
 from jaxres._core.sorted_table import SortedTable
 from jaxres._core.table import Table, check_capacity
@@ -50,11 +51,13 @@ class LookupTable(Resource):
     device=None,
     max_key_length: int = 64,
     max_value_length: int = 64,
+    eviction=None,
   ):
     super().__init__(device=device)
     if storage not in STORAGES:
       raise ValueError(f"storage: expected one of {sorted(STORAGES)}, got {storage!r}.")
     self._storage = STORAGES[storage]
+    self._eviction = check_policy(eviction)
     self._key_codec = KeyCodec(key_dtype, max_key_length)
     self._value_codec = ValueCodec(value_dtype, default_value, max_value_length)
     self._initial_capacity = check_capacity(initial_capacity, "initial_capacity")
@@ -63,7 +66,10 @@ class LookupTable(Resource):
     key_spec = codec.KeySpec.parse(self._key_codec.spec)
     value_spec = ValueSpec.parse(self._value_codec.spec)
     if not (
-      isinstance(state, self._storage) and state.key_spec == key_spec and state.value_spec == value_spec
+      isinstance(state, self._storage)
+      and state.key_spec == key_spec
+      and state.value_spec == value_spec
+      and state.eviction == self._eviction
     ):
       got = type(state).__name__
       if isinstance(state, Table):
@@ -75,12 +81,23 @@ class LookupTable(Resource):
 
   def _empty(self, capacity: int):
     values = self._value_codec
-    return self._storage.create(capacity, key=self._key_codec.spec, value=values.spec, default=values.default)
+    return self._storage.create(
+      capacity, key=self._key_codec.spec, value=values.spec, default=values.default, eviction=self._eviction
+    )
+
+  @property
+  def bounded(self) -> bool:
+    """Whether the table evicts when full (an eviction policy) instead of growing."""
+    return self._eviction is not None
+
+  def _room_for(self, rows: int) -> int:
+    """The capacity of a new state for ``rows`` entries: grown to hold them, unless bounded."""
+    return self.state.capacity if self.bounded else max(self.state.capacity, rows, 1)
 
   def _imported(self, keys, values) -> Table:
-    """A new state holding exactly ``keys -> values`` (the core's encoding), with room for them all."""
+    """A new state holding exactly ``keys -> values`` (the core's encoding); a bounded table evicts."""
     rows = int(np.shape(keys)[0]) if np.ndim(keys) else 1
-    return self._empty(max(self.state.capacity, rows)).import_(keys, values)
+    return self._empty(self._room_for(rows)).import_(keys, values)
 
   # -------------------------------------------------------- checkpoints
 
@@ -97,14 +114,13 @@ class LookupTable(Resource):
 
   def _entries_commit(self, arrays: Mapping[str, np.ndarray]) -> Commit:
     """Checks checkpointed entries; returns the commit that makes them the contents."""
-    state = self.state
     codecs = {"keys": self._key_codec, "values": self._value_codec}
     arrays = {  # string rows written for another maximum length are re-encoded
       name: codecs[field].fit(array, name) if (field := entries.field_of(name)) in codecs else array
       for name, array in arrays.items()
     }
-    keys, values = entries.from_arrays(arrays, state.key_spec, state.value_spec)
-    return self._replacing_state(self._imported(keys, values))
+    rows = sum(len(array) for name, array in arrays.items() if entries.field_of(name) == "keys")
+    return self._replacing_state(self._empty(self._room_for(rows))._from_arrays(arrays))
 
   def _current(self):
     """The state, after reporting keys lost inside jit (eager use only)."""
@@ -188,6 +204,8 @@ class LookupTable(Resource):
 
   def __repr__(self) -> str:
     name = f"{type(self).__name__}(key={self._key_codec.name}, value={self._value_codec.name}"
+    if self._eviction is not None:
+      name += f", eviction={self._eviction}"
     shown = self._entries(_REPR_ENTRIES)
     return name + ")" if shown is None else display.text(name, *shown)
 

@@ -25,11 +25,16 @@ class MutableHashTable(LookupTable):
       shape ``[*batch, 2]``), or ``str``.
     value_dtype: a dtype, a pytree of dtypes matching ``default_value``, or ``str``.
     default_value: value of missing keys; its shape is the per-entry value shape.
-    initial_capacity: live entries before the first growth.
+    initial_capacity: live entries before the first growth; with an eviction
+      policy, the bound the table never grows past.
     storage: ``"open_addressing"`` (default) or ``"sorted"``.
     device: optional ``jax.Device`` or sharding for the state.
     max_key_length: for ``str`` keys, the longest key in UTF-8 bytes.
     max_value_length: for ``str`` values, the longest value in UTF-8 bytes.
+    eviction: ``None`` (the table grows), or ``jr.LRU()``, ``jr.LFU()``,
+      ``jr.CustomScore()``: a bounded table of ``initial_capacity`` entries
+      that evicts by the policy when full, eagerly and inside ``nnx.jit``
+      (open addressing only).
 
   With ``jax_enable_x64`` off, 64-bit integer keys and values are exact (NumPy
   arrays on the host); ``float64`` values are stored as ``float32``.
@@ -57,6 +62,7 @@ class MutableHashTable(LookupTable):
     device=None,
     max_key_length: int = 64,
     max_value_length: int = 64,
+    eviction=None,
   ):
     super().__init__(
       key_dtype,
@@ -67,6 +73,7 @@ class MutableHashTable(LookupTable):
       device=device,
       max_key_length=max_key_length,
       max_value_length=max_value_length,
+      eviction=eviction,
     )
     self.state  # noqa: B018  (create now: bad dtypes fail here, and NNX sees the state)
 
@@ -75,9 +82,10 @@ class MutableHashTable(LookupTable):
 
   @staticmethod
   def _growing(table, update):
-    """``update(table) -> (table, out)``, eagerly growing instead of dropping keys."""
+    """``update(table) -> (table, out)``, eagerly growing instead of dropping keys (a bounded
+    table evicts instead)."""
     new, out = update(table)
-    while not codec.is_traced(new.dropped) and int(new.dropped) > int(table.dropped):
+    while new.eviction is None and not codec.is_traced(new.dropped) and int(new.dropped) > int(table.dropped):
       lost = int(new.dropped) - int(table.dropped)
       table = table.resize(max(2 * table.capacity, table.capacity + 2 * lost))
       new, out = update(table)

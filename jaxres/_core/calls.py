@@ -1,0 +1,133 @@
+"""A table call's arguments checked, encoded and padded on the host, and its results decoded.
+
+Keys become flat ``uint32`` word rows, values flat storage leaves, ``valid``
+a flat mask and ``scores`` flat ``uint32``. Eager batches are padded to a power
+of two (at least 8 rows) with the padding masked: each new batch shape compiles
+a new executable, and on XLA:CPU each one holds hundreds of memory mappings,
+so padding bounds eager calls to a few shapes. Under ``jit`` the caller's
+shapes are kept.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxres._core import codec
+from jaxres._core.eviction import Evicted
+
+_MIN_EAGER_ROWS = 8
+NO_VALUES = object()  # a call that takes keys only (``None`` is a bad value, not no value)
+
+
+class Rows(NamedTuple):
+  """A call's batch as the jitted row operations take it."""
+
+  words: jax.Array  # uint32[N, W]
+  leaves: list  # value leaves [N, *storage_shape]
+  active: jax.Array | None  # bool[N]: rows to act on (None: all)
+  given: jax.Array | None  # uint32[N]: scores given with the call
+  n: int  # rows before padding
+  batch: tuple[int, ...]  # the caller's batch shape
+
+
+def prepare(table, keys, values=NO_VALUES, valid=None, scores=None, *, explicit_scores: bool = False) -> Rows:
+  """Checks and encodes a call's arguments (``values=NO_VALUES``: a call that takes keys only).
+
+  ``explicit_scores``: the scores of entries being moved (``import_``): any
+  table with an eviction policy takes them, none requires them.
+
+  Raises:
+    TypeError, ValueError: naming ``keys``, ``values``, ``valid`` or ``scores``.
+  """
+  words, batch = table.key_spec.encode(keys, "keys")
+  words = words.reshape(-1, table.key_spec.num_words)
+  n = words.shape[0]
+  leaves = [] if values is NO_VALUES else value_leaves(table, values, batch)
+  active = _active(valid, batch)
+  given = _given(table, scores, batch, values is not NO_VALUES, explicit_scores)
+  if codec.is_traced(words) or not n:
+    return Rows(words, leaves, active, given, n, batch)
+  size = max(_MIN_EAGER_ROWS, 1 << (n - 1).bit_length())
+
+  def padded(x):
+    return x if size == n else jnp.pad(x, [(0, size - n)] + [(0, 0)] * (x.ndim - 1))
+
+  # Always a mask, so padded and unpadded batches of one size share a compile.
+  active = jnp.arange(size) < n if active is None else padded(active)
+  given = None if given is None else padded(given)
+  return Rows(padded(words), [padded(x) for x in leaves], active, given, n, batch)
+
+
+def pad_to(x: jax.Array, rows: Rows) -> jax.Array:
+  """``x`` (``[n, ...]``) padded like the call's rows."""
+  extra = rows.words.shape[0] - x.shape[0]
+  return x if not extra else jnp.pad(x, [(0, extra)] + [(0, 0)] * (x.ndim - 1))
+
+
+def value_leaves(table, values, batch, name: str = "values") -> list:
+  leaves = table.value_spec.to_storage(values, batch, name)
+  return [x.reshape((math.prod(batch), *x.shape[len(batch) :])) for x in leaves]
+
+
+def output(table, leaves, batch) -> Any:
+  """Flat storage leaves -> the value pytree with the caller's batch shape."""
+  return table.value_spec.from_storage([x.reshape(batch + x.shape[1:]) for x in leaves])
+
+
+def defaults(table, default, batch) -> list:
+  """The default leaves for ``batch`` (the table's, or a per-call one)."""
+  if default is None:
+    return [jnp.broadcast_to(d, batch + d.shape) for d in table.default]
+  return table.value_spec.to_storage(table.value_spec.spread(default), batch, "default", broadcast=True)
+
+
+def evicted(table, result, rows: Rows) -> Evicted:
+  """The ``Evicted`` of a call, from the row operation's ``(words, leaves, scores, valid)`` or ``None``."""
+  n, batch = rows.n, rows.batch
+  if result is None:  # a table without eviction: nothing ever leaves
+    words = jnp.zeros((n, table.key_spec.num_words), jnp.uint32)
+    leaves = [d.reshape((n, *d.shape[len(batch) :])) for d in defaults(table, None, batch)]
+    result = (words, leaves, jnp.zeros(n, jnp.uint32), jnp.zeros(n, bool))
+  words, leaves, scores, valid = (jax.tree.map(lambda x: x[:n], part) for part in result)
+  words = jnp.where(valid[:, None], words, table.key_spec.encode_zero())
+  keys = table.key_spec.decode(words.reshape(*batch, table.key_spec.num_words))
+  return Evicted(keys, output(table, leaves, batch), scores.reshape(batch), valid.reshape(batch))
+
+
+def _active(valid, batch) -> jax.Array | None:
+  if valid is None:
+    return None
+  active = jnp.asarray(valid)
+  if active.dtype != bool or active.shape != batch:
+    raise ValueError(f"valid: expected bool{list(batch)}, got {active.dtype}{list(active.shape)}.")
+  return active.reshape(-1)
+
+
+def _given(table, scores, batch, names_keys: bool, explicit: bool) -> jax.Array | None:
+  """``scores`` checked against the table's policy, as flat ``uint32``."""
+  policy = table.eviction
+  takes = policy is not None and (policy.takes_scores or explicit)
+  if scores is None:
+    if takes and names_keys and not explicit:
+      raise TypeError(
+        "scores: a table with eviction=jr.CustomScore() takes scores=uint32[*batch] with every call "
+        "that inserts keys."
+      )
+    return None
+  if not takes:
+    wanted = "an eviction policy" if explicit else "eviction=jr.CustomScore()"
+    raise ValueError(f"scores: only a table with {wanted} takes scores, this one has eviction={policy}.")
+  if isinstance(scores, jax.Array):
+    if scores.dtype != jnp.uint32:
+      raise TypeError(f"scores: expected uint32 scores, got {scores.dtype}; cast with .astype(jnp.uint32).")
+    array = scores
+  else:
+    array = jnp.asarray(codec.host_integers(scores, np.dtype(np.uint32), "scores"))
+  if array.shape != batch:
+    raise ValueError(f"scores: expected shape {batch} (one per key), got {tuple(array.shape)}.")
+  return array.reshape(-1)

@@ -1,0 +1,115 @@
+"""Eviction policies: how a full table chooses which entry a new key replaces.
+
+A table created with ``eviction=`` keeps one ``uint32`` score per entry and a
+``uint32`` clock. Every call that names keys (``insert``, ``find_or_insert``,
+``insert_or_apply`` and their ``*_and_evict`` forms) sets their scores by the
+policy; reads never change a table. When a new key arrives and the table holds
+``capacity`` entries, it replaces the lowest-score entry among the entries near
+its position that the call does not name, if that score is lower than its own;
+otherwise the key is refused. Either way the entry that leaves is reported in
+:class:`Evicted` and counted in the table's ``evictions``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_MAX_SCORE = np.uint32(np.iinfo(np.uint32).max)
+
+
+class Policy(abc.ABC):
+  """Base of the eviction policies: the score a call gives each key it names."""
+
+  takes_scores = False  # whether calls must pass ``scores=``
+
+  @abc.abstractmethod
+  def score(self, old: jax.Array, count: jax.Array, clock: jax.Array) -> jax.Array:
+    """``uint32[N]``: the new scores of keys with scores ``old`` (0 for new keys).
+
+    ``count``: how often the call names each key; ``clock``: the table's
+    clock, this call included. (Scores given by the caller replace these.)
+    """
+
+  def __repr__(self) -> str:
+    return f"jr.{type(self).__name__}()"
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class LRU(Policy):
+  """Least recently used: a key's score is the table's ``clock`` at the last call that named it.
+
+  The clock counts the table's mutating calls, so the entry evicted first is
+  the one no call has named for longest.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxres as jr
+    >>> t = jr.OpenAddressingTable.create(2, key=jnp.int32, value=jnp.float32, eviction=jr.LRU())
+    >>> t = t.insert(jnp.array([1, 2]), jnp.array([1.0, 2.0]))
+    >>> t = t.insert(jnp.array([1]), jnp.array([1.5]))         # 1 is now the more recent
+    >>> t, evicted = t.insert_and_evict(jnp.array([3]), jnp.array([3.0]))
+    >>> evicted.keys.tolist(), t.find(jnp.array([1, 2, 3])).tolist()
+    ([2], [1.5, 0.0, 3.0])
+  """
+
+  def score(self, old, count, clock):
+    return jnp.broadcast_to(clock, old.shape)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class LFU(Policy):
+  """Least frequently used: a key's score is how often calls have named it (saturating).
+
+  Each call adds the key's occurrences in its batch, so a new key needs more
+  occurrences in one batch than an entry has gathered to replace it: frequent
+  keys stay.
+  """
+
+  def score(self, old, count, clock):
+    count = count.astype(jnp.uint32)
+    return jnp.where(old > _MAX_SCORE - count, _MAX_SCORE, old + count)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class CustomScore(Policy):
+  """Scores chosen by the caller: every call that names keys passes ``scores=`` (``uint32[*batch]``).
+
+  A key named several times in a call takes the score of its last occurrence.
+  """
+
+  takes_scores = True
+
+  def score(self, old, count, clock):
+    return old  # only entries moved without scores (an import) get here: they keep theirs, 0 if new
+
+
+def check_policy(eviction: Any) -> Policy | None:
+  """``eviction`` if it is ``None`` or a policy object.
+
+  Raises:
+    TypeError: anything else (a class instead of an instance, a string).
+  """
+  if eviction is None or isinstance(eviction, Policy):
+    return eviction
+  hint = " (an instance: jr.LRU(), not jr.LRU)" if isinstance(eviction, type) else ""
+  raise TypeError(f"eviction: expected None, jr.LRU(), jr.LFU() or jr.CustomScore(){hint}, got {eviction!r}.")
+
+
+class Evicted(NamedTuple):
+  """The entries a call removed to make room, one row per row of its batch.
+
+  ``valid`` marks the rows that evicted an entry (or whose own key was
+  refused: then ``keys`` is that key). Keys come in their exact dtype, as from
+  ``export()``; values have the table's value pytree; scores are the entries'
+  scores when they left. Every field has the call's batch shape ``[*batch]``.
+  """
+
+  keys: Any
+  values: Any
+  scores: jax.Array
+  valid: jax.Array

@@ -1,0 +1,107 @@
+"""Placing new keys into free slots of a bucket array by claims, without sorting.
+
+New keys choose a free slot of their bucket and claim it with an integer
+scatter-min of their batch index into a batch-sized scratch array, at a cell
+hashed from the slot. Integer min does not depend on the order of the writes,
+so the lowest batch index wins on every backend; rows carrying the same key see
+that they lost to an equal key and become duplicates of it, and rows that only
+met another slot in the same cell try again with a new hash, a chunk at a time
+(a retried row first looks for its key in its current bucket, where an equal
+row of an earlier chunk may have put it). A row whose bucket is full moves to
+the next bucket. Work is O(batch): the scratch is sized by the batch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxres._core import claims
+from jaxres._core.buckets import Layout
+from jaxres._core.hashing import hash_words
+
+_LANE_MIX = np.uint32(0x9E3779B1)
+
+
+def claim_slots(layout: Layout, flat: jax.Array, words: jax.Array, admitted: jax.Array, slot: jax.Array):
+  """Places the keys of the ``admitted`` rows (new keys; equal rows allowed) into free slots.
+
+  Args:
+    layout: the bucket array's layout; ``flat`` its records, flattened.
+    words: uint32[N, W] key rows.
+    admitted: bool[N], rows whose key is new and fits.
+    slot: int32[N], the slots of the other rows (kept).
+
+  Returns:
+    ``(flat, slot, first)``: the records with the keys stored and the
+    overflow counts raised, the slot of every admitted row (the other rows
+    keep theirs), and for each admitted row the first row of its key (the
+    other rows: their own index).
+  """
+  n, size = words.shape[0], layout.bucket_size
+  index = jnp.arange(n, dtype=jnp.int32)
+  home = layout.home(words)
+  # A per-key choice among the free slots spreads distinct keys apart (fewer
+  # lost claims); equal keys make the same choice and so meet on one slot.
+  lane = (hash_words(words, seed=1) * _LANE_MIX) >> 16
+
+  def claim_round(state, rows, target, later: bool):
+    """One round for the rows ``rows`` (``target``: the same, for scatters)."""
+    rounds, flat, bucket, slot, first, pending = state
+    position = jnp.arange(rows.shape[0], dtype=jnp.int32)
+    active, current, row_words = pending[rows] & (target < n), bucket[rows], words[rows]
+    placed, placed_slot = jnp.zeros_like(active), jnp.int32(0)
+    if later:
+      # An equal key of an earlier chunk may have been placed since: these
+      # rows follow the same buckets, so they find it in the current one.
+      record = layout.records(flat, current)
+      match = layout.occupancy(record[:, layout.mask_column]) & jnp.all(
+        layout.keys_of(record) == row_words[:, None, :], axis=-1
+      )
+      placed = active & jnp.any(match, axis=-1)
+      placed_slot = current * size + jnp.argmax(match, axis=-1).astype(jnp.int32)
+      active = active & ~placed
+      masks = record[:, layout.mask_column]
+    else:
+      masks = flat[layout.column(current, layout.mask_column)]
+    free = ~layout.occupancy(masks)
+    num_free = jnp.sum(free, axis=-1, dtype=jnp.int32)
+    full = num_free == 0
+    choice = (lane[rows] % jnp.maximum(num_free, 1).astype(jnp.uint32)).astype(jnp.int32)
+    pick = free & (jnp.cumsum(free, axis=-1) == (choice + 1)[:, None])
+    candidate = current * size + jnp.argmax(pick, axis=-1).astype(jnp.int32)
+    trying = active & ~full
+    scratch = claims.scratch_size(rows.shape[0])
+    winner = claims.lowest_writer(claims.cell_of(candidate, rounds, scratch), trying, scratch)
+    same_slot = trying & (candidate[winner] == candidate)
+    won = same_slot & (winner == position)
+    same_key = same_slot & ~won & jnp.all(row_words[winner] == row_words, axis=-1)
+    new_slot = jnp.where(won | same_key, candidate, slot[rows])
+    return (
+      rounds + 1,
+      layout.store(flat, candidate, row_words, won),
+      bucket.at[target].set(
+        jnp.where(active & full, (current + 1) % layout.num_buckets, current), mode="drop"
+      ),
+      slot.at[target].set(jnp.where(placed, placed_slot, new_slot), mode="drop"),
+      # -1: placed by an equal key whose row is not known here (resolved below).
+      first.at[target].set(
+        jnp.where(placed, -1, jnp.where(same_key, rows[winner], first[rows])), mode="drop"
+      ),
+      pending.at[target].set(active & ~won & ~same_key, mode="drop"),
+    )
+
+  def later_round(state):
+    # Few rows are left after the first round; take them a chunk at a time,
+    # lowest batch index first, so a key's first occurrence always takes part.
+    return claim_round(state, *claims.pending_rows(state[-1], claims.chunk_size(n)), later=True)
+
+  state = (jnp.int32(0), flat, home, slot, index, admitted)
+  state = claim_round(state, index, index, later=False)
+  _, flat, _, slot, first, _ = lax.while_loop(lambda s: jnp.any(s[-1]), later_round, state)
+  # Rare: equal keys split over chunks. Each key's first row is then its slot's lowest row.
+  first = lax.cond(jnp.any(first < 0), lambda: claims.owner_per_slot(slot, admitted), lambda: first)
+  flat = layout.shift_overflow(flat, home, slot, admitted & (first == index), +1)
+  return flat, slot, first
