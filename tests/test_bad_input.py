@@ -229,6 +229,137 @@ def test_wide_key_errors():
 
 
 # --------------------------------------------------------------------------
+# Eviction: policies, scores, expiry and streaming.
+
+
+def _scored(policy, sharded=False):
+  if sharded:
+    table = jr.ShardedTable.create(mesh_of(4), "shard", 8, key=jnp.int32, value=jnp.float32, eviction=policy)
+  else:
+    table = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.float32, eviction=policy)
+  scores = {"scores": np.array([5, 6], np.uint32)} if policy.takes_scores else {}
+  return table.insert(np.array([1, 2], np.int32), np.array([1.0, 2.0], np.float32), **scores)
+
+
+def _scored_state(table) -> dict:
+  keys = np.array([1, 2, 3], np.int32)
+  return {
+    **exported(table),
+    "scores": table.scores(keys).tolist(),
+    "counters": (int(table.clock), int(table.evictions), int(table.size)),
+  }
+
+
+KEYS, VALUES = np.array([3, 4], np.int32), np.array([3.0, 4.0], np.float32)
+BAD_EVICTION_CALLS = [
+  ("custom: scores missing", "custom", lambda t: t.insert(KEYS, VALUES), TypeError, "scores"),
+  (
+    "custom: scores missing (find_or_insert)",
+    "custom",
+    lambda t: t.find_or_insert(KEYS, VALUES),
+    TypeError,
+    "scores",
+  ),
+  (
+    "lru: scores given",
+    "lru",
+    lambda t: t.insert(KEYS, VALUES, scores=np.ones(2, np.uint32)),
+    ValueError,
+    "scores",
+  ),
+  (
+    "custom: float scores",
+    "custom",
+    lambda t: t.insert(KEYS, VALUES, scores=np.ones(2)),
+    TypeError,
+    "scores",
+  ),
+  (
+    "custom: int32 JAX scores",
+    "custom",
+    lambda t: t.insert_and_evict(KEYS, VALUES, scores=jnp.ones(2, jnp.int32)),
+    TypeError,
+    "scores",
+  ),
+  (
+    "custom: negative scores",
+    "custom",
+    lambda t: t.insert(KEYS, VALUES, scores=[-1, 2]),
+    ValueError,
+    "scores",
+  ),
+  (
+    "custom: scores of another shape",
+    "custom",
+    lambda t: t.insert_or_apply(KEYS, VALUES, jnp.add, scores=np.ones(3, np.uint32)),
+    ValueError,
+    "scores",
+  ),
+  (
+    "lru: import scores of another shape",
+    "lru",
+    lambda t: t.import_(KEYS, VALUES, scores=[1]),
+    ValueError,
+    "scores",
+  ),
+  ("erase_if: fn not callable", "lru", lambda t: t.erase_if(3), TypeError, "fn"),
+  ("erase_if: fn gives one bool", "lru", lambda t: t.erase_if(lambda k, v, s: True), TypeError, "fn"),
+  ("export_batch: size 0", "lru", lambda t: t.export_batch(0, 0), ValueError, "size"),
+  ("export_batch: float offset", "lru", lambda t: t.export_batch(1.5, 4), TypeError, "offset"),
+]
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["table", "sharded"])
+@pytest.mark.parametrize(
+  "policy, call, error, name", [c[1:] for c in BAD_EVICTION_CALLS], ids=[c[0] for c in BAD_EVICTION_CALLS]
+)
+def test_bad_eviction_call_raises_and_leaves_table_unchanged(sharded, policy, call, error, name):
+  table = _scored(jr.CustomScore() if policy == "custom" else jr.LRU(), sharded)
+  before = _scored_state(table)
+  with pytest.raises(error, match=name):
+    call(table)
+  assert _scored_state(table) == before
+
+
+@pytest.mark.parametrize(
+  "eviction, error",
+  [("lru", TypeError), (jr.LRU, TypeError), (object(), TypeError), (3, TypeError)],
+  ids=["a string", "the class", "an object", "a number"],
+)
+def test_a_policy_that_is_not_a_policy_object_is_refused(eviction, error):
+  with pytest.raises(error, match="eviction"):
+    jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.float32, eviction=eviction)
+  with pytest.raises(error, match="eviction"):
+    jr.MutableHashTable(np.int32, np.float32, 0.0, eviction=eviction)
+
+
+def test_storages_that_cannot_evict_refuse_a_policy():
+  with pytest.raises(ValueError, match="eviction: a SortedTable cannot evict"):
+    jr.SortedTable.create(8, key=jnp.int32, value=jnp.float32, eviction=jr.LRU())
+  with pytest.raises(ValueError, match="eviction"):
+    jr.MutableHashTable(np.int32, np.float32, 0.0, storage="sorted", eviction=jr.LFU())
+  with pytest.raises(ValueError, match="eviction"):
+    jr.ShardedTable.create(
+      mesh_of(4), "shard", 8, jnp.int32, jnp.float32, storage=jr.SortedTable, eviction=jr.LRU()
+    )
+  with pytest.raises(ValueError, match="capacity: an evicting table over 4 shards"):
+    jr.ShardedTable.create(mesh_of(4), "shard", 3, jnp.int32, jnp.float32, eviction=jr.LRU())
+
+
+def test_empty_batches_change_no_scored_table():
+  for policy in (jr.LRU(), jr.LFU(), jr.CustomScore()):
+    table = _scored(policy)
+    before = _scored_state(table)
+    none, no_values = np.zeros(0, np.int32), np.zeros(0, np.float32)
+    scores = {"scores": np.zeros(0, np.uint32)} if policy.takes_scores else {}
+    table2, evicted = table.insert_and_evict(none, no_values, **scores)
+    table3, found, evicted3 = table.find_or_insert_and_evict(none, no_values, **scores)
+    for changed in (table2, table3, table.remove(none)):
+      assert _scored_state(changed) == before
+    assert evicted.keys.shape == evicted3.valid.shape == found.shape == (0,)
+
+
+# --------------------------------------------------------------------------
 # Stateful tables, resources, the manager, checkpoints and key helpers: each
 # bad call runs on a fresh subject, whose state is compared before and after.
 

@@ -22,7 +22,7 @@ from oracle import mesh_of
 import jaxres as jr
 
 BATCH = 4
-CAPACITY = 5
+CAPACITY = 4  # one bucket of 8 slots: every new key's candidates are the whole table
 POOL = (np.arange(12, dtype=np.int64) * 7919 + 2**40) * np.array([1, -1] * 6)  # 64-bit keys, exact
 POLICIES = {"LRU": jr.LRU(), "LFU": jr.LFU(), "CustomScore": jr.CustomScore()}
 
@@ -44,9 +44,9 @@ def _entries(table) -> dict:
 class Oracle:
   """What the table must hold, and each entry's score by the policy.
 
-  ``whole_window``: every new key's eviction window covers the whole table
-  (two buckets), so the entries evicted must be the lowest-scored of those the
-  call does not name.
+  ``whole_window``: every new key's candidates are the whole table (one
+  bucket), so the entries evicted must be the lowest-scored of those the call
+  does not name.
   """
 
   def __init__(self, policy, whole_window=True):
@@ -98,12 +98,14 @@ class Oracle:
 
 
 def machine_for(policy, sharded=False, max_examples=20):
+  capacity = 8 if sharded else CAPACITY  # sharded: 4 shards of 2 entries, each evicting on its own
+
   class EvictionMachine(RuleBasedStateMachine):
     def __init__(self):
       super().__init__()
-      self.table = _create(policy, sharded=sharded)
+      self.table = _create(policy, capacity, sharded=sharded)
       self.oracle = Oracle(policy, whole_window=not sharded)
-      assert sharded or self.table.num_slots == 2 * 8  # two buckets: the eviction window covers them
+      assert sharded or self.table.num_slots == 8  # one bucket: the candidates are every entry
 
     def _batch(self, picks, seed):
       rng = np.random.default_rng(seed)
@@ -163,7 +165,7 @@ def machine_for(policy, sharded=False, max_examples=20):
     @invariant()
     def matches_oracle(self):
       assert _entries(self.table) == self.oracle.data
-      assert int(self.table.size) == len(self.oracle.data) <= CAPACITY
+      assert int(self.table.size) == len(self.oracle.data) <= capacity
       assert int(self.table.evictions) == self.oracle.evictions and int(self.table.dropped) == 0
       assert int(self.table.clock) == self.oracle.clock
       keys = np.array([*sorted(self.oracle.data), POOL[0] + 1], np.int64)  # and one missing key

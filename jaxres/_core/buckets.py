@@ -54,8 +54,12 @@ class Layout:
     return ((masks[..., None] >> bits) & 1).astype(bool)
 
   def records(self, flat: jax.Array, bucket: jax.Array) -> jax.Array:
-    """uint32[*bucket.shape, record_width]: the records of ``bucket`` (one gather)."""
-    return flat[self.column(bucket, 0)[..., None] + jnp.arange(self.record_width)]
+    """uint32[*bucket.shape, record_width]: the records of ``bucket`` (one gather of whole rows)."""
+    return flat.reshape(self.num_buckets, self.record_width)[bucket]
+
+  def bucket_rows(self, per_slot: jax.Array, bucket: jax.Array) -> jax.Array:
+    """``[*bucket.shape, bucket_size]``: a per-slot array's values for the slots of ``bucket``."""
+    return per_slot.reshape(self.num_buckets, self.bucket_size)[bucket]
 
   def keys_of(self, records: jax.Array) -> jax.Array:
     """uint32[..., bucket_size, num_words]: the key words held in records."""

@@ -1,15 +1,16 @@
-"""Eviction rounds: new keys of a full table replace low-score entries near their home bucket.
+"""Eviction rounds: new keys of a full table replace low-score entries of their home bucket.
 
-Each new key looks at the entries of its *window*: its home bucket and the
-``WINDOW - 1`` buckets after it (``WINDOW * bucket_size`` slots, the buckets a
-probe for it would visit first). Among the entries there that the call does
-not name, it picks the one of lowest score, the one nearest its home (probe
-order, then slot order) on a tie. If that score is lower than the new key's
-own, the key takes the entry's slot and the entry leaves; otherwise the key
-is refused. Keys choose in parallel; when several choose one entry, it goes to
-the lowest batch row (an integer scatter-min claim, deterministic on every
-backend) and the others choose again in the next round, seeing what the
-winners placed. Work per round is O(rows x WINDOW x bucket_size).
+Each new key's candidates are the entries of its home bucket that the call
+does not name (``bucket_size`` slots: what one probe reads). It takes the one
+of lowest score (the first in slot order on a tie) if that score is lower than
+its own: the key takes the entry's slot and the entry leaves. When no
+candidate there has a lower score (or the bucket has none), it looks in the
+next bucket the same way, up to ``WINDOW`` buckets; then it is refused.
+
+Keys choose in parallel; when several choose one entry, it goes to the lowest
+batch row (an integer scatter-min claim, deterministic on every backend) and
+the others choose again in the next round, seeing what the winners placed.
+Work per round is O(rows x bucket_size).
 """
 
 from __future__ import annotations
@@ -24,15 +25,16 @@ from jax import lax
 from jaxres._core import claims
 from jaxres._core.buckets import Layout
 
-WINDOW = 2  # buckets a new key may evict from: its home bucket and the next
+WINDOW = 2  # buckets a new key may look in: its home bucket, then the next if nothing there is lower
 _NO_SCORE = np.uint32(np.iinfo(np.uint32).max)
 
 
 class Outcome(NamedTuple):
   """What the rounds did to each row (batch-sized fields)."""
 
-  flat: jax.Array  # the bucket records, updated
-  scores: jax.Array  # the per-slot scores, updated
+  flat: jax.Array | None  # the bucket records, updated
+  scores: jax.Array | None  # the per-slot scores, updated
+  step: jax.Array  # int32[N]: buckets past home the row looked in
   slot: jax.Array  # int32[N]: where a placed row's key now lives
   placed: jax.Array  # bool[N]: the row's key took an entry's slot
   refused: jax.Array  # bool[N]: the row's key was refused
@@ -63,34 +65,33 @@ def evict(
       entry's score then equals the highest a new key can have).
   """
   n = words.shape[0]
-  num_words = layout.num_words
 
   def round_(state, rows, target):
     rounds, flat, scores, out, pending = state
     position = jnp.arange(rows.shape[0], dtype=jnp.int32)
     active = pending[rows] & (target < n)
     home = layout.home(words[rows])
-    bucket = (home[:, None] + jnp.arange(WINDOW)) % layout.num_buckets
-    records = layout.records(flat, bucket)  # [R, WINDOW, record]
-    occupied = layout.occupancy(records[..., layout.mask_column]).reshape(rows.shape[0], -1)
-    candidate = (bucket[..., None] * layout.bucket_size + jnp.arange(layout.bucket_size)).reshape(
-      occupied.shape
-    )
-    eligible = occupied if named is None else occupied & ~_among(candidate, named, out.slot, out.placed)
-    candidate_score = jnp.where(eligible, scores[candidate], _NO_SCORE)
-    choice = jnp.argmin(candidate_score, axis=-1)  # the first minimum: nearest the home bucket
-    victim = jnp.take_along_axis(candidate, choice[:, None], axis=-1)[:, 0]
-    victim_score = jnp.take_along_axis(candidate_score, choice[:, None], axis=-1)[:, 0]
-    can = (
-      active
-      & jnp.take_along_axis(eligible, choice[:, None], axis=-1)[:, 0]
-      & (victim_score < new_score[rows])
-    )
+    bucket = (home + out.step[rows]) % layout.num_buckets
+    records = layout.records(flat, bucket)  # [R, record]: one gather
+    candidate = bucket[:, None] * layout.bucket_size + jnp.arange(layout.bucket_size)
+    eligible = layout.occupancy(records[:, layout.mask_column])
+    if named is not None:
+      eligible = eligible & ~_among(candidate, named, out.slot, out.placed)
+    candidate_score = jnp.where(eligible, layout.bucket_rows(scores, bucket), _NO_SCORE)
+    choice = jnp.argmin(candidate_score, axis=-1)  # the first minimum
+
+    def chosen(x):
+      return jnp.take_along_axis(x, choice.reshape(-1, *[1] * (x.ndim - 1)), axis=1)[:, 0]
+
+    victim, victim_score = chosen(candidate), chosen(candidate_score)
+    lower = victim_score < new_score[rows]  # the lowest candidate here can be replaced
+    onward = active & ~lower & (out.step[rows] < WINDOW - 1)  # else: the next bucket
+    can = active & lower
+    refused = active & ~can & ~onward
     scratch = claims.scratch_size(rows.shape[0])
     winner = claims.lowest_writer(claims.cell_of(victim, rounds, scratch), can, scratch)
     won = can & (victim[winner] == victim) & (winner == position)
-    victim_words = layout.keys_of(records).reshape(rows.shape[0], -1, num_words)
-    victim_words = jnp.take_along_axis(victim_words, choice[:, None, None], axis=1)[:, 0]
+    victim_words = chosen(layout.keys_of(records))
     flat = layout.unset(flat, victim, won)
     flat = layout.shift_overflow(flat, layout.home(victim_words), victim, won, -1)
     flat = layout.store(flat, victim, words[rows], won)
@@ -101,14 +102,16 @@ def evict(
       return field.at[jnp.where(mask, target, n)].set(value, mode="drop")
 
     out = out._replace(
+      step=put(out.step, out.step[rows] + 1, onward),
       slot=put(out.slot, victim, won),
       placed=put(out.placed, won, won),
-      refused=put(out.refused, active & ~can, active & ~can),
+      refused=put(out.refused, refused, refused),
       victim_slot=put(out.victim_slot, victim, won),
       victim_words=put(out.victim_words, victim_words, won),
       victim_score=put(out.victim_score, victim_score, won),
     )
-    return rounds + 1, flat, scores, out, pending.at[target].set(active & can & ~won, mode="drop")
+    still = active & (onward | (can & ~won))
+    return rounds + 1, flat, scores, out, pending.at[target].set(still, mode="drop")
 
   def later_round(state):
     return round_(state, *claims.pending_rows(state[-1], claims.chunk_size(n)))
@@ -117,14 +120,16 @@ def evict(
   out = Outcome(  # the records and scores travel in the loop state, not twice
     flat=None,
     scores=None,
+    step=index * 0,
     slot=index * 0,
     placed=jnp.zeros(n, bool),
     refused=jnp.zeros(n, bool),
     victim_slot=index * 0,
-    victim_words=jnp.zeros((n, num_words), jnp.uint32),
+    victim_words=jnp.zeros((n, layout.num_words), jnp.uint32),
     victim_score=jnp.zeros(n, jnp.uint32),
   )
-  state = round_((jnp.int32(0), flat, scores, out, pending), index, index)
+  # The first round takes up to half the batch (the new keys of a typical call), lowest rows first.
+  state = round_((jnp.int32(0), flat, scores, out, pending), *claims.pending_rows(pending, max(1, n // 2)))
   _, flat, scores, out, _ = lax.while_loop(lambda s: jnp.any(s[-1]), later_round, state)
   return out._replace(flat=flat, scores=scores)
 

@@ -27,13 +27,15 @@ class Policy(abc.ABC):
   """Base of the eviction policies: the score a call gives each key it names."""
 
   takes_scores = False  # whether calls must pass ``scores=``
+  counts = False  # whether scores depend on how often a call names a key
 
   @abc.abstractmethod
   def score(self, old: jax.Array, count: jax.Array, clock: jax.Array) -> jax.Array:
     """``uint32[N]``: the new scores of keys with scores ``old`` (0 for new keys).
 
-    ``count``: how often the call names each key; ``clock``: the table's
-    clock, this call included. (Scores given by the caller replace these.)
+    ``count``: how often the call names each key (``None`` unless
+    :attr:`counts`); ``clock``: the table's clock, this call included. (Scores
+    given by the caller replace these.)
     """
 
   def __repr__(self) -> str:
@@ -69,6 +71,8 @@ class LFU(Policy):
   occurrences in one batch than an entry has gathered to replace it: frequent
   keys stay.
   """
+
+  counts = True
 
   def score(self, old, count, clock):
     count = count.astype(jnp.uint32)

@@ -193,8 +193,12 @@ class OpenAddressingTable(Storage):
         lambda: new,
         lambda: lax.cond(room > 0, lambda: batch_lib.admit(words, new, room)[0], lambda: new & False),
       )
-    flat, slot, first = placing.claim_slots(self.layout, self.buckets.reshape(-1), words, admitted, slot)
     index = jnp.arange(words.shape[0], dtype=jnp.int32)
+    flat, slot, first = lax.cond(  # a full table admits nothing: skip the placement rounds
+      jnp.any(admitted),
+      lambda: placing.claim_slots(self.layout, self.buckets.reshape(-1), words, admitted, slot),
+      lambda: (self.buckets.reshape(-1), slot, index),
+    )
     table = dataclasses.replace(
       self,
       buckets=flat.reshape(self.buckets.shape),
@@ -203,7 +207,7 @@ class OpenAddressingTable(Storage):
     )
     if self.eviction is None:
       return (*table._write_rows(words, leaves, found, admitted, slot, first, mode), None)
-    return table._upsert_evicting(words, leaves, found, admitted, new & ~admitted, slot, given, mode)
+    return table._upsert_evicting(words, leaves, found, admitted, new & ~admitted, slot, first, given, mode)
 
   def _write_rows(self, words, leaves, found, placed, slot, first, mode):
     """Values of an insert or find_or_insert whose new keys (``placed``) have slots: ``(table, out)``."""
@@ -215,18 +219,30 @@ class OpenAddressingTable(Storage):
     out = select_rows(found, take_rows(self.values, slot), new_values)
     return self._write(slot, leaves, placed & (first == index)), out
 
-  def _upsert_evicting(self, words, leaves, found, admitted, to_evict, slot, given, mode):
-    """The rest of an upsert with an eviction policy: scores, then new keys that do not fit evict."""
+  def _upsert_evicting(self, words, leaves, found, admitted, to_evict, slot, first, given, mode):
+    """The rest of an upsert with an eviction policy: scores, then new keys that do not fit evict.
+
+    ``first``: the first row of each admitted key (from their placement).
+    """
     n = words.shape[0]
     index = jnp.arange(n, dtype=jnp.int32)
     named = found | admitted | to_evict
-    first = claims.owner_per_key(words, named)
-    last = claims.owner_per_key(words, named, last=True)
-    count = jnp.zeros(n, jnp.int32).at[jnp.where(named, first, n)].add(1, mode="drop")[first]
+    # Rows are grouped by key where scores need it (counts, given scores) and
+    # always for the keys that evict, so that each evicts once. Under LRU every
+    # row of a present key writes the same clock, so those need no grouping.
+    grouped = to_evict if given is None and not self.eviction.counts else named
+    first = jnp.where(grouped, claims.owner_per_key(words, grouped), first)
+    # The last row of each key: whose value an insert keeps, whose score was given.
+    last = claims.owner_per_key(words, named, last=True) if mode == "insert" or given is not None else first
     stored = found | admitted
-    old = jnp.where(found, self.slot_scores[slot], jnp.uint32(0))
-    # Scores given explicitly (CustomScore, or entries moved by resize and import) take precedence.
-    score = self.eviction.score(old, count, self.clock) if given is None else given[last]
+    if given is not None:  # scores given explicitly (CustomScore, or entries moved by resize and import)
+      score = given[last]
+    else:
+      old = jnp.where(found, self.slot_scores[slot], jnp.uint32(0))
+      count = None
+      if self.eviction.counts:
+        count = jnp.zeros(n, jnp.int32).at[jnp.where(named, first, n)].add(1, mode="drop")[first]
+      score = self.eviction.score(old, count, self.clock)
     heads = named & (first == index)
     scores = self.slot_scores.at[jnp.where(stored & heads, slot, self.slot_scores.shape[0])].set(
       score, mode="drop"

@@ -118,7 +118,11 @@ class ShardedTable(Table):
       shard_capacity: entries each shard holds; defaults to
         :func:`shard_capacity_for` ``(capacity, num_shards)``. New keys that
         do not fit their shard are counted in :attr:`dropped_per_shard`.
-      **options: further arguments of ``storage.create`` (``bucket_size``).
+        With an eviction policy it defaults to ``capacity // num_shards``, so
+        the table never holds more than ``capacity`` entries: each shard
+        evicts among its own when it holds its share.
+      **options: further arguments of ``storage.create`` (``bucket_size``,
+        ``eviction``).
 
     Raises:
       TypeError: ``mesh`` is not a Mesh, ``storage`` not a storage class, or
@@ -137,7 +141,7 @@ class ShardedTable(Table):
     mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
     num_shards = mesh.shape[axis]
     if shard_capacity is None:
-      shard_capacity = shard_capacity_for(capacity, num_shards)
+      shard_capacity = _shard_capacity(capacity, num_shards, options.get("eviction"))
     shard_capacity = check_capacity(shard_capacity, "shard_capacity")
     one = storage.create(1, key, value, default, **options)  # checks the arguments; specs and default
     return cls(
@@ -214,7 +218,7 @@ class ShardedTable(Table):
     if capacity == self.capacity:
       shard_capacity = self.shard_capacity  # as created, perhaps by hand
     else:
-      shard_capacity = shard_capacity_for(capacity, self.num_shards)
+      shard_capacity = _shard_capacity(capacity, self.num_shards, self.eviction)
     first = jax.tree.map(lambda x: x[0], self.shards)
     shards = _stacked(lambda: first._with_capacity(shard_capacity), self.mesh, self.axis)
     return dataclasses.replace(self, shards=shards, capacity=capacity)
@@ -362,6 +366,18 @@ class ShardedTable(Table):
       check_vma=False,
     )(self.shards, padded(words), padded(active), [padded(x) for x in leaves])
     return dataclasses.replace(self, shards=shards), [y[:n] for y in outputs]
+
+
+def _shard_capacity(capacity: int, num_shards: int, eviction) -> int:
+  """The default capacity of each shard: headroom without eviction, an exact share with it."""
+  if eviction is None:
+    return shard_capacity_for(capacity, num_shards)
+  if capacity < num_shards:
+    raise ValueError(
+      f"capacity: an evicting table over {num_shards} shards holds capacity // {num_shards} entries per "
+      f"shard; expected capacity >= {num_shards}, got {capacity}."
+    )
+  return capacity // num_shards
 
 
 def _stacked(build, mesh: Mesh, axis: str) -> Storage:
