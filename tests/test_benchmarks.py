@@ -36,3 +36,18 @@ def test_benchmark_harness_runs_on_tiny_sizes():
     [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
   )
   assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr
+
+
+def test_eviction_benchmark_runs_on_tiny_sizes():
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  cmd = [sys.executable, "-m", "benchmarks.eviction", "--scale", "0.01", "--calls", "3", "--out", os.devnull]
+  result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stdout + result.stderr
+  for row in (
+    "LRU hit ratio",
+    "LFU: top-1,000 ids kept",
+    "8 shards",
+    "full LRU table",
+    "bytes of scores per slot",
+  ):
+    assert f"| {row}" in result.stdout or row in result.stdout, result.stdout

@@ -371,3 +371,12 @@ def test_erase_if_expires_entries_by_age():
   )
   odd = by_value.erase_if(lambda keys, values, scores: values % 2 == 1)
   assert _entries(odd) == {POOL[0]: 0, POOL[2]: 2}
+
+
+def test_erase_if_on_a_sharded_table_erases_in_every_shard():
+  table = _create(jr.LFU(), 16, sharded=True)
+  table = table.insert(
+    np.concatenate([POOL[:6], POOL[:3]]), np.arange(9, dtype=np.int32)
+  )  # 3 keys seen twice
+  erased = table.erase_if(lambda keys, values, scores: scores < 2)
+  assert set(_entries(erased)) == set(POOL[:3].tolist()) and int(erased.size) == 3
