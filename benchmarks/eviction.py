@@ -158,12 +158,12 @@ def report(scale: float, calls: int = 25) -> str:
   stream = zipf_stream(np.random.default_rng(0), accesses, distinct)
   exact = exact_lru_hits(stream[: stream.size // BATCH * BATCH], capacity) / (stream.size // BATCH * BATCH)
   one, eight = quality(stream, capacity), quality(stream, capacity, devices=8)
-  costs = cost(max(1 << 16, int((1 << 20) * scale)), calls=calls)
+  costs = cost(max(1 << 12, int((1 << 20) * scale)), calls=calls)
 
   def met(ok: bool) -> str:
     return "yes" if ok else "**no**"
 
-  cost_size = max(1 << 16, int((1 << 20) * scale))
+  cost_size = max(1 << 12, int((1 << 20) * scale))
   title = f"## Eviction: {accesses:,} Zipf(1.1) accesses over {distinct:,} ids, capacity {capacity:,}"
   timed = f"{costs['evicting_us']:,.0f} us (runs {costs['spread'][0]:,.0f}-{costs['spread'][1]:,.0f})"
   rows = [

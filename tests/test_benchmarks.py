@@ -40,7 +40,7 @@ def test_benchmark_harness_runs_on_tiny_sizes():
 
 def test_eviction_benchmark_runs_on_tiny_sizes():
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  cmd = [sys.executable, "-m", "benchmarks.eviction", "--scale", "0.01", "--calls", "3", "--out", os.devnull]
+  cmd = [sys.executable, "-m", "benchmarks.eviction", "--scale", "0.003", "--calls", "3", "--out", os.devnull]
   result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout + result.stderr
   for row in (

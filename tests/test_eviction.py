@@ -97,7 +97,7 @@ class Oracle:
     self.evictions += len(ev_keys)
 
 
-def machine_for(policy, sharded=False, max_examples=20):
+def machine_for(policy, sharded=False, max_examples=10):
   capacity = 8 if sharded else CAPACITY  # sharded: 4 shards of 2 entries, each evicting on its own
 
   class EvictionMachine(RuleBasedStateMachine):
@@ -180,7 +180,7 @@ def machine_for(policy, sharded=False, max_examples=20):
 
 for _name, _policy in POLICIES.items():
   globals()[f"Test{_name}"] = machine_for(_policy).TestCase
-TestShardedLRU = pytest.mark.slow(machine_for(jr.LRU(), sharded=True, max_examples=6).TestCase)
+TestShardedLRU = pytest.mark.slow(machine_for(jr.LRU(), sharded=True, max_examples=4).TestCase)
 
 
 # ------------------------------------------------------------ plain tests

@@ -93,7 +93,6 @@ _X64_SELECTIONS = {
     "test_keys.py",
     "test_table.py::test_random_operations_match_dict",
     "test_mutable_table.py::test_seed_dtype_combinations",
-    "test_mutable_table.py::test_composite_keys_match_a_dict_of_tuples[open_addressing]",
     "test_static_tables.py::test_vocabulary_with_integer_keys_inside_jit",
   ],
   "training": [

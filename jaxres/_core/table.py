@@ -60,10 +60,16 @@ def _jit_remove(table: Table, words, active):
   return table._tick()._remove_rows(words, active)
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "tick"))
-def _jit_upsert(table: Table, words, leaves, active, given, *, mode: str, tick: bool = True):
-  """insert ("insert": last duplicate wins) and find_or_insert ("first"): ``(table, out, evicted)``."""
-  return (table._tick() if tick else table)._upsert_rows(words, leaves, active, mode, given)
+@functools.partial(jax.jit, static_argnames=("mode", "tick", "report"))
+def _jit_upsert(
+  table: Table, words, leaves, active, given, *, mode: str, tick: bool = True, report: bool = False
+):
+  """insert ("insert": last duplicate wins) and find_or_insert ("first"): ``(table, out, evicted)``.
+
+  ``report``: return the evicted entries (else ``None``, and they are not computed).
+  """
+  table, out, evicted = (table._tick() if tick else table)._upsert_rows(words, leaves, active, mode, given)
+  return table, out, evicted if report else None
 
 
 @functools.partial(jax.jit, static_argnames=("fn",))
@@ -209,7 +215,7 @@ class Table(abc.ABC):
     Returns:
       The new table.
     """
-    return self.insert_and_evict(keys, values, valid, scores)[0]
+    return self._upsert(keys, values, valid, scores, "insert", report=False)[0]
 
   def insert_and_evict(self, keys, values, valid=None, scores=None) -> tuple[Table, Evicted]:
     """:meth:`insert`, also returning the entries that left: ``(table, evicted)``.
@@ -227,10 +233,7 @@ class Table(abc.ABC):
       >>> evicted.keys.tolist(), evicted.valid.tolist(), t.find(jnp.array([1, 2, 3])).tolist()
       ([2, 0], [True, False], [1.0, 0.0, 3.0])
     """
-    rows = calls.prepare(self, keys, values, valid, scores)
-    if not rows.n:
-      return self, calls.evicted(self, None, rows)
-    table, _, evicted = _jit_upsert(self, rows.words, rows.leaves, rows.active, rows.given, mode="insert")
+    table, _, evicted, rows = self._upsert(keys, values, valid, scores, "insert", report=True)
     return table, calls.evicted(self, evicted, rows)
 
   def find_or_insert(self, keys, values, valid=None, scores=None) -> tuple[Table, Any]:
@@ -257,7 +260,7 @@ class Table(abc.ABC):
       >>> rows.tolist()
       [0, 1, 0]
     """
-    table, found, _ = self.find_or_insert_and_evict(keys, values, valid, scores)
+    table, found, _, _ = self._upsert(keys, values, valid, scores, "first", report=False)
     return table, found
 
   def find_or_insert_and_evict(self, keys, values, valid=None, scores=None) -> tuple[Table, Any, Evicted]:
@@ -266,18 +269,23 @@ class Table(abc.ABC):
     ``evicted`` is as for :meth:`insert_and_evict`; a refused key reads the
     table default.
     """
+    table, found, evicted, rows = self._upsert(keys, values, valid, scores, "first", report=True)
+    return table, found, calls.evicted(self, evicted, rows)
+
+  def _upsert(self, keys, values, valid, scores, mode: str, report: bool):
+    """insert or find_or_insert: ``(table, found values, evicted rows or None, rows)``."""
     rows = calls.prepare(self, keys, values, valid, scores)
     if not rows.n:
-      return (
-        self,
-        calls.output(self, [x[:0] for x in rows.leaves], rows.batch),
-        calls.evicted(self, None, rows),
-      )
-    table, out, evicted = _jit_upsert(self, rows.words, rows.leaves, rows.active, rows.given, mode="first")
+      return self, calls.output(self, [x[:0] for x in rows.leaves], rows.batch), None, rows
+    table, out, evicted = _jit_upsert(
+      self, rows.words, rows.leaves, rows.active, rows.given, mode=mode, report=report
+    )
+    if mode == "insert":
+      return table, None, evicted, rows
     out = [x[: rows.n] for x in out]
     if valid is not None:
       out = select_rows(rows.active[: rows.n], out, calls.defaults(self, None, (rows.n,)))
-    return table, calls.output(self, out, rows.batch), calls.evicted(self, evicted, rows)
+    return table, calls.output(self, out, rows.batch), evicted, rows
 
   def insert_or_apply(self, keys, values, fn: Callable, valid=None, scores=None) -> Table:
     """New keys get ``values``; existing ones become ``fn(old, new)``.
