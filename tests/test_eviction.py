@@ -380,3 +380,13 @@ def test_erase_if_on_a_sharded_table_erases_in_every_shard():
   )  # 3 keys seen twice
   erased = table.erase_if(lambda keys, values, scores: scores < 2)
   assert set(_entries(erased)) == set(POOL[:3].tolist()) and int(erased.size) == 3
+
+
+def test_resize_keeps_entries_scores_and_counters():
+  table, _ = _random_calls(_create(jr.LFU(), 6), seed=9)
+  keys = np.array(sorted(_entries(table)), np.int64)
+  for capacity in (len(keys), 32):
+    resized = table.resize(capacity)
+    assert _entries(resized) == _entries(table) and resized.capacity == capacity
+    assert resized.scores(keys).tolist() == table.scores(keys).tolist()
+    assert (int(resized.clock), int(resized.evictions)) == (int(table.clock), int(table.evictions))
