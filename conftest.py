@@ -8,11 +8,33 @@ compile then fails inside LLVM ("Cannot allocate memory") and the worker dies
 with a segmentation fault. The suite compiles far more shapes than a real
 program, so a worker drops JAX's caches (freeing the executables) when it has
 used three quarters of the limit (the largest test adds fewer than 10,000).
+
+Tests marked ``slow`` start first, and XLA compiles with fewer optimisations
+(see below).
 """
 
 from __future__ import annotations
 
-import jax
+import os
+import tempfile
+
+# Most of the suite's time is XLA compiling small programs. The tests check
+# results, not speed: compile with fewer optimisations, and share compiled
+# programs between the xdist workers and the subprocesses they start through
+# JAX's persistent cache (keyed by program, flags and JAX version). Set before
+# JAX starts; subprocesses inherit the environment.
+_FLAGS = os.environ.get("XLA_FLAGS", "").split()
+for _flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"):
+  if _flag not in _FLAGS:
+    _FLAGS.append(_flag)
+os.environ["XLA_FLAGS"] = " ".join(_FLAGS)
+os.environ.setdefault(
+  "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"jaxres-tests-{os.getuid()}")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+import jax  # noqa: E402
 
 # Sharded tables are tested on 8 CPU devices (set before any backend starts).
 jax.config.update("jax_num_cpu_devices", 8)

@@ -17,6 +17,7 @@ from jaxres._core.sharded import ShardedTable as ShardedTable
 from jaxres._core.sorted_table import SortedTable as SortedTable
 from jaxres._core.table import Table as Table
 from jaxres._integrations import nnx as _nnx  # noqa: F401  (registers the NNX checkpoint adapters)
+from jaxres._nn.embedding import DynamicEmbedding as DynamicEmbedding
 from jaxres._shell.initializers import KeyValueInitializer as KeyValueInitializer
 from jaxres._shell.initializers import TextFileIndex as TextFileIndex
 from jaxres._shell.initializers import TextFileInitializer as TextFileInitializer
@@ -40,6 +41,7 @@ __all__ = [
   "Checkpoint",
   "CheckpointManager",
   "CustomScore",
+  "DynamicEmbedding",
   "Evicted",
   "KeyValueInitializer",
   "LoadStatus",

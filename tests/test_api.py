@@ -43,7 +43,7 @@ def test_demo_trains_checkpoints_and_resumes_bitwise(tmp_path, capsys):
   workdir = tmp_path / "run"
   assert demo.main(["--steps", "6", "--capacity", "256", "--workdir", str(workdir)]) == 0
   out = capsys.readouterr().out
-  assert "load factor 1.00" in out  # 256 rows fill within the first step
+  assert "(load 1.00)" in out and "evicted (LRU)" in out  # 256 rows fill within the first steps
   assert "restart from step 4: restored ['model', 'optimizer']" in out
   assert "2 resumed losses bitwise equal to the uninterrupted run: yes" in out
   assert sorted(p.name for p in workdir.iterdir()) == ["2", "4", "6"]

@@ -51,3 +51,18 @@ def test_eviction_benchmark_runs_on_tiny_sizes():
     "bytes of scores per slot",
   ):
     assert f"| {row}" in result.stdout or row in result.stdout, result.stdout
+
+
+def test_embedding_benchmark_runs_on_tiny_sizes():
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  cmd = [sys.executable, "-m", "benchmarks.embedding", "--scale", "0.01", "--steps", "2", "--out", os.devnull]
+  result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stdout + result.stderr
+  for row in (
+    "| 2^10 |",
+    "| 2^12 |",
+    "step time flat in capacity",
+    "faster than the dense step",
+    "Quality, click task",
+  ):
+    assert row in result.stdout, result.stdout

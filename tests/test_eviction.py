@@ -390,3 +390,28 @@ def test_resize_keeps_entries_scores_and_counters():
     assert _entries(resized) == _entries(table) and resized.capacity == capacity
     assert resized.scores(keys).tolist() == table.scores(keys).tolist()
     assert (int(resized.clock), int(resized.evictions)) == (int(table.clock), int(table.evictions))
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_table_restored_into_its_own_layout_continues_exactly(tmp_path, sharded):
+  """Entries go back to their slots, so later evictions (which depend on where entries sit) are the same."""
+  table, _ = _random_calls(_create(jr.LRU(), 8, sharded), seed=11)
+  root = jr.AutoTrackable()
+  root.table = table
+  path = jr.Checkpoint(model=root).save(tmp_path / "ckpt")
+  fresh = jr.AutoTrackable()
+  fresh.table = _create(jr.LRU(), 8, sharded)
+  jr.Checkpoint(model=fresh).restore(path).assert_consumed()
+  assert [s.tolist() for s in fresh.table._live_slots()] == [s.tolist() for s in table._live_slots()]
+  first, out1 = _random_calls(table, seed=12)
+  second, out2 = _random_calls(fresh.table, seed=12)
+  for a, b in zip(jax.tree.leaves((first.export(), out1)), jax.tree.leaves((second.export(), out2))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_corrupted_slots_are_a_value_error_and_change_nothing():
+  table, _ = _random_calls(_create(jr.LRU(), 8), seed=13)
+  arrays = table._serialize_to_arrays()
+  for slots in (np.zeros_like(arrays["slots"]), arrays["slots"] + 10**6):
+    with pytest.raises(ValueError, match="slots"):
+      table._from_arrays(arrays | {"slots": slots})

@@ -303,7 +303,7 @@ def _trial(mode: str, target, delay: float) -> tuple[int, int, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, trials", [("manager", 20), ("overwrite", 5)])
+@pytest.mark.parametrize("mode, trials", [("manager", 10), ("overwrite", 5)])
 def test_sigkill_at_random_moments_never_loses_the_latest_checkpoint(tmp_path, mode, trials):
   # Saves take tens of milliseconds: kill 0-100 ms after one starts. Four
   # children at a time (each one spends seconds importing JAX).

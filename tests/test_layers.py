@@ -17,13 +17,20 @@ LAYERS = {
   "jaxres._shell": 1,
   "jaxres._tracking": 2,
   "jaxres._integrations": 3,
+  "jaxres._nn": 3,
   "jaxres": 4,
   "jaxres.examples": 5,
   "jaxres.demo": 6,
 }
 # Third-party packages whose APIs move fast, each kept to a few modules.
 CONFINED = {
-  "flax": {"jaxres._shell.resource", "jaxres._integrations.nnx", "jaxres.examples", "jaxres.demo"},
+  "flax": {
+    "jaxres._shell.resource",
+    "jaxres._integrations.nnx",
+    "jaxres._nn.embedding",
+    "jaxres.examples",
+    "jaxres.demo",
+  },
   "orbax": {"jaxres._tracking.storage"},
 }
 

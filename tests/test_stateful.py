@@ -23,7 +23,7 @@ def _add_rows(old, new):
   return tuple(a + b for a, b in zip(old, new))
 
 
-def machine_for(storage, kind, capacities=CAPACITIES, max_examples=25):
+def machine_for(storage, kind, capacities=CAPACITIES, max_examples=10):
   class TableMachine(RuleBasedStateMachine):
     def __init__(self):
       super().__init__()
@@ -105,5 +105,5 @@ for _storage in STORAGES:
 
 # Sharded over 8 devices; the capacities exceed the 10 keys drawn, so no shard fills.
 TestShardedOpenAddressingTable_int64 = pytest.mark.slow(
-  machine_for(Sharded(jr.OpenAddressingTable), _KINDS["int64"], capacities=(12, 16), max_examples=5).TestCase
+  machine_for(Sharded(jr.OpenAddressingTable), _KINDS["int64"], capacities=(12, 16), max_examples=3).TestCase
 )

@@ -15,6 +15,7 @@ from oracle import (
   assert_matches,
   assert_rows_equal,
   entries,
+  mesh_of,
   run_random_operations,
   table_rows,
   twice_plus,
@@ -288,3 +289,32 @@ def test_large_batches_with_many_repeats_insert_each_key_once(storage):
       first.setdefault(k, v)
     assert entries(t) == {(k,): [v] for k, v in first.items()}
     assert got.tolist() == [first[k] for k in keys.tolist()]
+
+
+@pytest.mark.parametrize(
+  ("kind", "policy"),
+  [("open_addressing", None), ("open_addressing", jr.LFU()), ("sorted", None), ("sharded", jr.LFU())],
+)
+def test_assign_replaces_present_values_only_and_keeps_scores(kind, policy):
+  """assign: present keys take their last active row's value; nothing is inserted, scored or ticked."""
+  rng = np.random.default_rng(21)
+  options = {"key": jnp.int64, "value": jnp.int32, "default": -1, "eviction": policy}
+  if kind == "sharded":
+    table = jr.ShardedTable.create(mesh_of(4), "shard", 64, **options)
+  elif kind == "sorted":
+    table = jr.SortedTable.create(64, **options)
+  else:
+    table = jr.OpenAddressingTable.create(64, **options)
+  pool = np.arange(20, dtype=np.int64) * (2**33 + 7)
+  table = table.insert(pool[:12], np.arange(12, dtype=np.int32))
+  model = dict(zip(pool[:12].tolist(), range(12)))
+  keys = pool[rng.integers(0, 20, 16)]
+  values = rng.integers(100, 200, 16).astype(np.int32)
+  valid = rng.random(16) < 0.75
+  before = (int(table.size), int(table.clock), table.scores(pool).tolist())
+  table = table.assign(keys, values, valid=valid)
+  for key, value, ok in zip(keys.tolist(), values.tolist(), valid.tolist()):
+    if ok and key in model:
+      model[key] = value  # the last active row wins
+  assert (int(table.size), int(table.clock), table.scores(pool).tolist()) == before
+  assert table.find(pool).tolist() == [model.get(k, -1) for k in pool.tolist()]

@@ -59,6 +59,30 @@ def unsort(groups: Groups, x):
   return jax.tree.map(lambda a: jnp.zeros_like(a).at[groups.perm].set(a, unique_indices=True), x)
 
 
+def group_sums(words: jax.Array, x: jax.Array) -> jax.Array:
+  """For each row, the sum of ``x`` over the rows of its key (``x``: ``[N, ...]``), in batch order.
+
+  The sums are a segmented scan over the sorted batch, so their order of
+  floating-point additions is fixed: bitwise the same on every run and
+  backend (a scatter-add with duplicate indices is not, on GPU).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> words = jnp.array([[3], [1], [3]], jnp.uint32)
+    >>> group_sums(words, jnp.array([1.0, 2.0, 4.0])).tolist()
+    [5.0, 2.0, 5.0]
+  """
+  groups = group(words)
+
+  def add(a, b):
+    (sum_a, head_a), (sum_b, head_b) = a, b
+    restart = head_b.reshape(head_b.shape + (1,) * (sum_b.ndim - head_b.ndim))
+    return jnp.where(restart, sum_b, sum_a + sum_b), head_a | head_b
+
+  totals, _ = lax.associative_scan(add, (x[groups.perm], groups.head))
+  return unsort(groups, totals[groups.end])
+
+
 def first_occurrence_rank(groups: Groups, selected: jax.Array) -> jax.Array:
   """For each sorted row: how many selected heads come earlier in batch order.
 

@@ -68,7 +68,9 @@ class Layout:
   def store(self, flat: jax.Array, slot: jax.Array, words: jax.Array, mask: jax.Array) -> jax.Array:
     """Writes key words into ``slot`` and marks it occupied, where ``mask`` (distinct slots)."""
     bucket, offset = slot // self.bucket_size, slot % self.bucket_size
-    word_index = self.column(bucket, offset * self.num_words)[:, None] + jnp.arange(self.num_words)
+    word_index = self.column(bucket, offset * self.num_words)[:, None] + jnp.arange(
+      self.num_words, dtype=jnp.int32
+    )
     flat = flat.at[jnp.where(mask[:, None], word_index, flat.size)].set(words, mode="drop")
     # Distinct slots of one bucket have distinct bits, so adding them is an OR.
     bit = jnp.uint32(1) << offset.astype(jnp.uint32)

@@ -73,7 +73,7 @@ def evict(
     home = layout.home(words[rows])
     bucket = (home + out.step[rows]) % layout.num_buckets
     records = layout.records(flat, bucket)  # [R, record]: one gather
-    candidate = bucket[:, None] * layout.bucket_size + jnp.arange(layout.bucket_size)
+    candidate = bucket[:, None] * layout.bucket_size + jnp.arange(layout.bucket_size, dtype=jnp.int32)
     eligible = layout.occupancy(records[:, layout.mask_column])
     if named is not None:
       eligible = eligible & ~_among(candidate, named, out.slot, out.placed)

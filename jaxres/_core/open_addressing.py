@@ -23,10 +23,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxres._core import batch as batch_lib
-from jaxres._core import claims, codec, evicting, placing
+from jaxres._core import calls, claims, codec, evicting, placing
 from jaxres._core.args import check_int
 from jaxres._core.buckets import Layout
 from jaxres._core.eviction import LRU, Policy, check_policy
@@ -114,6 +115,40 @@ class OpenAddressingTable(Storage):
   @property
   def num_slots(self) -> int:
     return self.layout.num_slots
+
+  def _layout_shape(self):
+    return np.array([1, self.buckets.shape[-2], self.bucket_size])  # shards, buckets, slots per bucket
+
+  def _live_slots(self):
+    return [np.flatnonzero(jax.device_get(_jit_live(self)))]
+
+  def _placed(self, keys, values, scores, slots):
+    empty = self._cleared()
+    rows = calls.prepare(empty, keys, values, scores=scores, explicit_scores=True)
+    (slots,) = slots
+    check_slots(rows.words[: rows.n], slots, self.num_slots)
+    if not rows.n:
+      return empty
+    slots = calls.pad_to(jnp.asarray(slots, jnp.int32), rows)
+    return _jit_place(empty, rows.words, rows.leaves, rows.given, slots, rows.active)
+
+  def _place_rows(self, words, leaves, given, slots, valid):
+    """This empty table with the rows' entries at ``slots`` (distinct), where ``valid``."""
+    layout = self.layout
+    flat = layout.store(self.buckets.reshape(-1), slots, words, valid)
+    flat = layout.shift_overflow(flat, layout.home(words), slots, valid, 1)
+    index = jnp.where(valid, slots, layout.num_slots)
+    values = tuple(v.at[index].set(x, mode="drop") for v, x in zip(self.values, leaves))
+    slot_scores = self.slot_scores
+    if given is not None:
+      slot_scores = slot_scores.at[index].set(given, mode="drop")
+    return dataclasses.replace(
+      self,
+      buckets=flat.reshape(self.buckets.shape),
+      values=values,
+      slot_scores=slot_scores,
+      size=jnp.sum(valid, dtype=jnp.int32),
+    )
 
   def _with_capacity(self, capacity):
     return _empty(capacity, self.key_spec, self.value_spec, self.default, self.bucket_size, self.eviction)
@@ -216,8 +251,10 @@ class OpenAddressingTable(Storage):
       return self._write(slot, leaves, claims.first_per_slot(slot, found | placed, last=True)), []
     defaults = [jnp.broadcast_to(d, x.shape) for d, x in zip(self.default, leaves)]
     new_values = select_rows(placed, take_rows(leaves, first), defaults)
-    out = select_rows(found, take_rows(self.values, slot), new_values)
-    return self._write(slot, leaves, placed & (first == index)), out
+    table = self._write(slot, leaves, placed & (first == index))
+    # Found keys' values are read after the write (which leaves them as they were): a read of
+    # the old array would keep it alive next to the new one, and XLA would copy it whole.
+    return table, select_rows(found, take_rows(table.values, slot), new_values)
 
   def _upsert_evicting(self, words, leaves, found, admitted, to_evict, slot, first, given, mode):
     """The rest of an upsert with an eviction policy: scores, then new keys that do not fit evict.
@@ -277,6 +314,27 @@ class OpenAddressingTable(Storage):
     flat = layout.unset(self.buckets.reshape(-1), slot, mask)
     flat = layout.shift_overflow(flat, layout.home(words), slot, mask, -1)
     return dataclasses.replace(self, buckets=flat.reshape(self.buckets.shape))
+
+
+def check_slots(words, slots, num_slots: int) -> None:
+  """Raises ``ValueError`` unless ``slots`` are distinct slot numbers below ``num_slots`` of distinct keys."""
+  slots, n = np.asarray(slots), words.shape[0]
+  bad = slots.shape != (n,) or (n and (slots.min() < 0 or slots.max() >= num_slots))
+  if bad or len(np.unique(slots)) != n or len(np.unique(np.asarray(words), axis=0)) != n:
+    raise ValueError(
+      f"slots: the checkpoint places {n} entries in slots that a table of {num_slots} "
+      "cannot hold (repeated or out of range slots, or repeated keys): corrupted."
+    )
+
+
+@jax.jit
+def _jit_live(table: OpenAddressingTable) -> jax.Array:
+  return table._slots()[1]
+
+
+@jax.jit
+def _jit_place(table: OpenAddressingTable, words, leaves, given, slots, valid) -> OpenAddressingTable:
+  return table._place_rows(words, leaves, given, slots, valid)
 
 
 def _empty(capacity, key_spec, value_spec, default, bucket_size, eviction):

@@ -24,6 +24,7 @@ device sends ``num_shards`` times its share of the batch.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import jax
@@ -32,9 +33,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxres._core import codec
+from jaxres._core import calls, codec
 from jaxres._core.hashing import hash_words
-from jaxres._core.open_addressing import OpenAddressingTable
+from jaxres._core.open_addressing import OpenAddressingTable, check_slots
 from jaxres._core.pytrees import pytree_dataclass, static_field
 from jaxres._core.rows import select_rows
 from jaxres._core.storage import Storage
@@ -270,6 +271,12 @@ class ShardedTable(Table):
       return table, out, None
     return table, out, (pieces[0], pieces[1:-2], pieces[-2], pieces[-1])
 
+  def _assign_rows(self, words, leaves, active):
+    def op(shard, words, active, rows):
+      return shard._assign_rows(words, rows, active), []
+
+    return self._routed(op, words, active, leaves)[0]
+
   def _apply_rows(self, words, leaves, active, fn, given=None):
     extra = [] if given is None else [given]
 
@@ -315,10 +322,64 @@ class ShardedTable(Table):
 
   def _live_by_shard(self):
     words, leaves, scores, valid = jax.device_get(jax.jit(ShardedTable._compact_shards)(self))
+    slots = self._live_slots()
     return [
-      self._host_entries(words[s], [x[s] for x in leaves], scores[s], valid[s])
+      self._host_entries(words[s], [x[s] for x in leaves], scores[s], valid[s], slots[s])
       for s in range(self.num_shards)
     ]
+
+  def _layout_shape(self):
+    shape = self.shards._layout_shape()
+    return None if shape is None else np.array([self.num_shards, *shape[1:]])
+
+  def _live_slots(self):
+    if self._layout_shape() is None:
+      return [None] * self.num_shards
+    live = np.asarray(jax.device_get(jax.jit(jax.vmap(lambda shard: shard._slots()[1]))(self.shards)))
+    return [np.flatnonzero(row) for row in live]
+
+  def _placed(self, keys, values, scores, slots):
+    """Each shard's saved entries into that shard, at their slots (the keys' owners are checked)."""
+    empty = self._cleared()
+    words, _ = self.key_spec.encode(keys, "keys")
+    words = words.reshape(len(keys), -1)
+    leaves = calls.value_leaves(self, values, (len(keys),))
+    given = None if scores is None else jnp.asarray(scores, jnp.uint32)
+    ends = np.cumsum([0, *(len(s) for s in slots)])
+    width = max(1, *(len(s) for s in slots))
+    owners = np.asarray(owner_of(words, self.num_shards)) if len(keys) else np.zeros(0, np.int32)
+    parts = []
+    for shard, (start, end) in enumerate(itertools.pairwise(ends)):
+      if end - start > self.shard_capacity:
+        raise ValueError(
+          f"{end - start} entries of shard {shard} do not fit its capacity {self.shard_capacity}."
+        )
+      if np.any(owners[start:end] != shard):
+        raise ValueError(f"slots: entries saved under shard {shard} belong to other shards (corrupted).")
+      check_slots(words[start:end], slots[shard], self.shards.values[0].shape[1])
+      parts.append(np.arange(start, end))
+
+    def stacked(x, fill=0):
+      rows = [
+        jnp.pad(x[p], [(0, width - len(p))] + [(0, 0)] * (x.ndim - 1), constant_values=fill) for p in parts
+      ]
+      return jnp.stack(rows)
+
+    flat_slots = jnp.asarray(np.concatenate([np.asarray(s, np.int64) for s in slots]).astype(np.int32))
+    valid = jnp.stack([jnp.arange(width) < len(p) for p in parts])
+    place = jax.jit(
+      jax.vmap(lambda shard, *row: shard._place_rows(*row)),
+      out_shardings=NamedSharding(self.mesh, PartitionSpec(self.axis)),
+    )
+    shards = place(
+      empty.shards,
+      stacked(words),
+      [stacked(x) for x in leaves],
+      None if given is None else stacked(given),
+      stacked(flat_slots),
+      valid,
+    )
+    return dataclasses.replace(empty, shards=shards)
 
   # ----------------------------------------------------------- routing
 

@@ -79,6 +79,11 @@ class Storage(Table):
     """uint32[rows]: each slot's score (zeros for a table without eviction)."""
     return self.slot_scores if self.eviction is not None else jnp.zeros(self.values[0].shape[:1], jnp.uint32)
 
+  def _assign_rows(self, words, leaves, active):
+    found, slot = self._locate(words)
+    found = found if active is None else found & active
+    return self._write(slot, leaves, claims.first_per_slot(slot, found, last=True))
+
   def _remove_rows(self, words, active):
     """The first active row of each present key releases it."""
     found, slot = self._locate(words)

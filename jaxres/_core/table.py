@@ -72,6 +72,11 @@ def _jit_upsert(
   return table, out, evicted if report else None
 
 
+@jax.jit
+def _jit_assign(table: Table, words, leaves, active):
+  return table._assign_rows(words, leaves, active)
+
+
 @functools.partial(jax.jit, static_argnames=("fn",))
 def _jit_apply(table: Table, words, leaves, active, given, *, fn):
   return table._tick()._apply_rows(words, leaves, active, fn, given)
@@ -331,6 +336,30 @@ class Table(abc.ABC):
     if jax.tree.structure(out) != self.value_spec.treedef or got != want:
       raise TypeError(f"fn: must return an entry like {tree}, got {out}.")
 
+  def assign(self, keys, values, valid=None) -> Table:
+    """Replaces the values of keys present; absent keys are ignored. Scores and clock stay.
+
+    The write-back half of a read-modify-write (an optimizer step on the
+    rows a batch looked up): it never inserts, evicts or counts as a use of
+    a key. The last duplicate in the batch wins.
+
+    Args:
+      keys: ``key_dtype[*batch, *key_shape]``.
+      values: value pytree with leaves ``[*batch, *value_shape]``.
+      valid: optional ``bool[*batch]``; rows marked ``False`` are skipped.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxres as jr
+      >>> t = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.float32)
+      >>> t = t.insert(jnp.array([1]), jnp.array([1.0])).assign(jnp.array([1, 2]), jnp.array([5.0, 6.0]))
+      >>> t.find(jnp.array([1, 2])).tolist(), int(t.size)
+      ([5.0, 0.0], 1)
+    """
+    rows = calls.prepare(self, keys, values, valid)
+    if not rows.n:
+      return self
+    return _jit_assign(self, rows.words, rows.leaves, rows.active)
+
   def remove(self, keys, valid=None) -> Table:
     """Removes keys; absent keys are ignored.
 
@@ -444,44 +473,75 @@ class Table(abc.ABC):
   def _serialize_to_arrays(self) -> dict[str, np.ndarray]:
     """The live entries as named host arrays (see :mod:`entries`): keys in their exact dtype."""
     counters = None if self.eviction is None else {"clock": self.clock, "evictions": self.evictions}
-    return entries.to_arrays(self._live_by_shard(), self.value_spec, jax.device_get(counters))
+    return entries.to_arrays(
+      self._live_by_shard(), self.value_spec, jax.device_get(counters), self._layout_shape()
+    )
 
   def _from_arrays(self, arrays) -> Table:
     """This table (its storage, capacity, mesh) holding exactly the entries of ``arrays``.
 
     Scores and the clock are restored when both the checkpoint and this table
-    keep them; entries saved without scores are scored as inserted now.
+    keep them; entries saved without scores are scored as inserted now. A
+    table of the saved layout gets each entry back in its slot (see
+    :mod:`entries`).
 
     Raises:
       TypeError: ``arrays`` are not a table's.
       ValueError: keys or values of other dtypes or shapes, or more entries
         than the capacity holds.
     """
-    keys, values, scores, counters = entries.from_arrays(arrays, self.key_spec, self.value_spec)
+    keys, values, scores, counters, layout, slots = entries.from_arrays(
+      arrays, self.key_spec, self.value_spec
+    )
     keep = self.eviction is not None
-    if not keep:
-      scores = None
-    elif scores is None and self.eviction.takes_scores:
-      scores = np.zeros(len(keys), np.uint32)
-    table = self.import_(keys, values, scores=scores)
-    lost = int(table.dropped) + int(table.evictions) - (int(self.evictions) if keep else 0)
-    if lost:
-      raise ValueError(
-        f"{len(keys)} entries do not fit a table of capacity {self.capacity} ({lost} would be lost)."
-      )
+    same = (
+      slots is not None
+      and (scores is not None) == keep
+      and len(keys) <= self.capacity
+      and np.array_equal(layout, self._layout_shape())
+    )
+    if same:
+      table = self._placed(keys, values, scores, slots)
+    else:
+      if not keep:
+        scores = None
+      elif scores is None and self.eviction.takes_scores:
+        scores = np.zeros(len(keys), np.uint32)
+      table = self.import_(keys, values, scores=scores)
+      lost = int(table.dropped) + int(table.evictions) - (int(self.evictions) if keep else 0)
+      if lost:
+        raise ValueError(
+          f"{len(keys)} entries do not fit a table of capacity {self.capacity} ({lost} would be lost)."
+        )
     return table._restored_counters(counters) if keep and counters else table
 
   def _live_by_shard(self) -> list[entries.Entries]:
-    """The live entries on the host, ``(keys, value leaves, scores)`` per shard, in exact dtypes."""
+    """The live entries on the host, ``(keys, value leaves, scores, slots)`` per shard, in exact dtypes."""
     words, leaves, scores, valid = jax.device_get(_jit_compact(self))
-    return [self._host_entries(words, leaves, scores, valid)]
+    return [self._host_entries(words, leaves, scores, valid, self._live_slots()[0])]
 
-  def _host_entries(self, words, leaves, scores, valid) -> entries.Entries:
+  def _host_entries(self, words, leaves, scores, valid, slots) -> entries.Entries:
     live = np.asarray(valid)
     keys = self.key_spec.decode(jnp.asarray(np.asarray(words)[live]))
     values = self.value_spec.from_storage([jnp.asarray(np.asarray(x)[live]) for x in leaves])
     kept = np.asarray(scores)[live] if self.eviction is not None else None
-    return np.asarray(keys), [np.asarray(x) for x in jax.tree.leaves(values)], kept
+    return np.asarray(keys), [np.asarray(x) for x in jax.tree.leaves(values)], kept, slots
+
+  def _layout_shape(self) -> np.ndarray | None:
+    """The shape slot numbers refer to, saved with them; ``None``: entries alone fix the layout."""
+    return None
+
+  def _live_slots(self) -> list[np.ndarray | None]:
+    """Per shard, the slots of the live entries (in export order), where :meth:`_layout_shape` is kept."""
+    return [None]
+
+  def _placed(self, keys, values, scores, slots) -> Table:
+    """An empty table like this one holding the entries at ``slots`` (per shard); see :mod:`entries`.
+
+    Only called with a layout this table keeps (:meth:`_layout_shape`).
+    """
+    del slots
+    return self.import_(keys, values, scores=scores)
 
   def __repr__(self) -> str:
     size = "traced" if codec.is_traced(self.size) else int(self.size)
@@ -547,6 +607,10 @@ class Table(abc.ABC):
     (``None`` without an eviction policy). ``given``: scores for the keys
     (``CustomScore``, or entries moved with their scores).
     """
+
+  @abc.abstractmethod
+  def _assign_rows(self, words, leaves, active) -> Table:
+    """assign on flat rows: present keys take their last active row's values."""
 
   @abc.abstractmethod
   def _apply_rows(self, words, leaves, active, fn, given=None) -> Table:

@@ -1,23 +1,21 @@
-"""Worked examples built on jaxres: a dynamic-embedding click model and its training loop.
+"""Worked examples built on jaxres: a click-through model with a dynamic embedding, and its training loop.
 
-- :class:`DynamicEmbedding`: ids get embedding rows on first sight, in ``nnx.jit``.
-- :class:`ClickStream`, :class:`ClickModel`: a synthetic click-through task.
-- :func:`train_step`, :class:`Run`: the jitted Adam step, and runs that
-  checkpoint every few steps and resume exactly, with deferred restore.
+- :class:`ClickStream`, :class:`ClickModel`: a synthetic click-through task,
+  and a model whose ids get :class:`jaxres.DynamicEmbedding` rows.
+- :func:`train_step`, :class:`Run`: the jitted step (dense Adam for the
+  layers, row-wise Adam for the embedding), and runs that checkpoint every
+  few steps and resume exactly, with deferred restore.
 """
 
 from jaxres.examples.clicks import ClickBatch, ClickModel, ClickStream
-from jaxres.examples.embedding import DynamicEmbedding, take_rows
 from jaxres.examples.training import Run, RunConfig, loss_fn, train_step
 
 __all__ = [
   "ClickBatch",
   "ClickModel",
   "ClickStream",
-  "DynamicEmbedding",
   "Run",
   "RunConfig",
   "loss_fn",
-  "take_rows",
   "train_step",
 ]

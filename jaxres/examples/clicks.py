@@ -6,11 +6,14 @@ from typing import NamedTuple
 
 import jax
 import numpy as np
+import optax
 from flax import nnx
 
-from jaxres.examples.embedding import DynamicEmbedding
+import jaxres as jr
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplying by it permutes the 64-bit integers
+_INIT = nnx.initializers.normal(0.05)
+_LRU = jr.LRU()
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
@@ -71,21 +74,23 @@ class ClickStream:
 
 
 class ClickModel(nnx.Module):
-  """Click-through model: a dynamic embedding per id, then a small MLP.
+  """Click-through model: a :class:`jaxres.DynamicEmbedding` row per id, then a small MLP.
 
   Args:
-    num_rows: embedding rows that ids can take (see :class:`DynamicEmbedding`).
+    capacity: embedding rows that ids can take.
     num_fields: ids per example.
-    rngs: ``nnx.Rngs`` for the parameters.
+    optimizer: the embedding rows' row-wise optax transformation.
+    rngs: ``nnx.Rngs`` for the parameters and the new rows.
     features: embedding width.
     hidden: width of the hidden layer.
-    num_oov_rows: shared rows for ids that arrive once the table is full.
+    eviction: the embedding's eviction policy.
+    min_count: occurrences an id needs to get a row.
 
   Example:
-    >>> import jaxres as jr
+    >>> import optax, jaxres as jr
     >>> from flax import nnx
     >>> from jaxres.examples import ClickModel, ClickStream
-    >>> model = ClickModel(1024, num_fields=3, rngs=nnx.Rngs(0))
+    >>> model = ClickModel(1024, num_fields=3, optimizer=optax.adam(0.01), rngs=nnx.Rngs(0))
     >>> batch = ClickStream(batch_size=8, num_fields=3).batch(0)
     >>> model(jr.keys.split64(batch.ids)).shape
     (8,)
@@ -93,20 +98,33 @@ class ClickModel(nnx.Module):
 
   def __init__(
     self,
-    num_rows: int,
+    capacity: int,
     *,
     num_fields: int,
+    optimizer: optax.GradientTransformation,
     rngs: nnx.Rngs,
     features: int = 16,
     hidden: int = 64,
-    num_oov_rows: int = 8,
+    eviction=_LRU,
+    min_count: int = 2,
   ):
-    self.embedding = DynamicEmbedding(num_rows, features, rngs=rngs, num_oov_rows=num_oov_rows)
+    self.embedding = jr.DynamicEmbedding(
+      capacity,
+      features,
+      optimizer=optimizer,
+      eviction=eviction,
+      min_count=min_count,
+      initializer=_INIT,
+      rngs=rngs,
+    )
     self.hidden = nnx.Linear(num_fields * features, hidden, rngs=rngs)
     self.output = nnx.Linear(hidden, 1, rngs=rngs)
 
+  def head(self, rows: jax.Array) -> jax.Array:
+    """Click logits ``float32[batch]`` from the rows ``[batch, fields, features]``."""
+    x = rows.reshape(rows.shape[0], -1)
+    return self.output(nnx.relu(self.hidden(x)))[:, 0]
+
   def __call__(self, ids) -> jax.Array:
     """Click logits ``float32[batch]`` for ids ``[batch, fields]`` (as word pairs: ``[batch, fields, 2]``)."""
-    x = self.embedding(ids)
-    x = x.reshape(x.shape[0], -1)
-    return self.output(nnx.relu(self.hidden(x)))[:, 0]
+    return self.head(self.embedding(ids))

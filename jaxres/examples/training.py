@@ -15,21 +15,26 @@ import jaxres as jr
 from jaxres.examples.clicks import ClickModel, ClickStream
 
 
-def loss_fn(model: ClickModel, ids, labels) -> jax.Array:
-  """Mean binary cross-entropy of the click logits."""
-  return optax.sigmoid_binary_cross_entropy(model(ids), labels).mean()
+def loss_fn(model: ClickModel, rows: jax.Array, labels) -> jax.Array:
+  """Mean binary cross-entropy of the click logits computed from embedding rows."""
+  return optax.sigmoid_binary_cross_entropy(model.head(rows), labels).mean()
 
 
-@nnx.jit
+@functools.partial(nnx.jit, donate_argnums=(0, 1))
 def train_step(model: ClickModel, optimizer: nnx.Optimizer, ids, labels) -> jax.Array:
-  """One Adam step; new ids get embedding rows on the way. Returns the loss.
+  """One training step; returns the loss.
 
-  ``ids`` are ``uint32[batch, fields, 2]`` word pairs (``jr.keys.split64``),
-  so 64-bit ids stay exact with ``jax_enable_x64`` off. The table update made
-  inside the step persists on ``model``.
+  The embedding looks the ids up (new ids get rows), the dense layers take
+  an Adam step through ``optimizer``, and the embedding's own row-wise Adam
+  updates the rows of this batch's ids only: the step costs O(batch), not
+  O(capacity). ``ids`` are ``uint32[batch, fields, 2]`` word pairs
+  (``jr.keys.split64``), so 64-bit ids stay exact with ``jax_enable_x64`` off.
+  The model and optimizer are donated: their arrays are updated in place.
   """
-  loss, grads = nnx.value_and_grad(loss_fn)(model, ids, labels)
+  rows = model.embedding(ids)
+  loss, (grads, row_grads) = nnx.value_and_grad(loss_fn, argnums=(0, 1))(model, rows, labels)
   optimizer.update(model, grads)
+  model.embedding.apply_gradients(ids, row_grads)
   return loss
 
 
@@ -37,8 +42,9 @@ def train_step(model: ClickModel, optimizer: nnx.Optimizer, ids, labels) -> jax.
 def adam(learning_rate: float) -> optax.GradientTransformation:
   """``optax.adam``, one object per learning rate.
 
-  The transformation is a static attribute of ``nnx.Optimizer``: sharing it
-  lets a rebuilt optimizer reuse the compiled :func:`train_step`.
+  The transformation is a static attribute of ``nnx.Optimizer`` and of the
+  embedding: sharing it lets a rebuilt model reuse the compiled
+  :func:`train_step`.
   """
   return optax.adam(learning_rate)
 
@@ -52,8 +58,9 @@ class RunConfig:
   features: int = 16
   hidden: int = 64
   batch_size: int = 512
-  vocab_size: int = 100_000  # distinct ids per field in the data
+  vocab_size: int = 1 << 18  # distinct ids per field in the data
   learning_rate: float = 0.01
+  min_count: int = 2  # occurrences an id needs to get a row
   seed: int = 0
 
   def stream(self) -> ClickStream:
@@ -65,8 +72,10 @@ class RunConfig:
     return ClickModel(
       self.capacity,
       num_fields=self.num_fields,
+      optimizer=adam(self.learning_rate),
       features=self.features,
       hidden=self.hidden,
+      min_count=self.min_count,
       rngs=nnx.Rngs(self.seed),
     )
 
@@ -75,7 +84,8 @@ class Run:
   """A training run that checkpoints every few steps and resumes where it stopped.
 
   The run's objects hang off one :class:`jaxres.Checkpoint`: ``model`` (the
-  :class:`ClickModel`, its id table included) and ``optimizer``. When
+  :class:`ClickModel`, its embedding's rows, row optimizer states and scores
+  included) and ``optimizer`` (of the dense layers). When
   ``workdir`` already holds checkpoints, the run restores one *before* the
   model exists (:attr:`status` then lists every path as pending) and each
   object is filled in as it is attached. Data batches depend on the step

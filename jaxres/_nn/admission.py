@@ -1,0 +1,47 @@
+"""Admission by count: an id earns a row at its ``min_count``-th occurrence.
+
+Occurrences of ids that have no row yet are counted in a small table of its
+own, an :class:`~jaxres.OpenAddressingTable` with ``jr.LRU()`` eviction: the
+counting is bounded (``capacity`` ids) and exact for the ids it holds. When
+it is full, the id counted least recently leaves and its count is lost, so
+the error is one-sided: an id is never admitted before its ``min_count``-th
+occurrence, and it is admitted late only if more than ``capacity`` other
+unadmitted ids arrived between two of its occurrences. (A count-min sketch
+errs the other way: it over-counts and admits ids early, more and more of
+them as its cells fill over a long stream.) An admitted id's count is
+removed, so a later eviction of its row makes it start afresh.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxres._core.eviction import LRU
+from jaxres._core.open_addressing import OpenAddressingTable
+from jaxres._core.table import Table
+
+
+def counter(capacity: int, key) -> OpenAddressingTable:
+  """An empty count table for ``capacity`` ids of dtype ``key``."""
+  return OpenAddressingTable.create(capacity, key=key, value=jnp.int32, default=0, eviction=LRU())
+
+
+def admit(counts: Table, keys, candidates: jax.Array, min_count: int) -> tuple[Table, jax.Array]:
+  """Counts the occurrences of ``keys`` where ``candidates``; ``(counts, admitted)``.
+
+  ``admitted`` (``bool[*batch]``) marks the candidate rows whose id has now
+  occurred at least ``min_count`` times: all its rows in the batch, the
+  earlier occurrences included, so a batch behaves as one step.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> counts = counter(8, jnp.int32)
+    >>> ids = jnp.array([4, 5, 4])
+    >>> counts, admitted = admit(counts, ids, jnp.ones(3, bool), min_count=2)
+    >>> admitted.tolist(), counts.contains(ids).tolist()  # 4 admitted: its count is dropped
+    ([True, False, True], [False, True, False])
+  """
+  counts = counts.insert_or_apply(keys, jnp.ones(candidates.shape, jnp.int32), jnp.add, valid=candidates)
+  admitted = candidates & (counts.find(keys) >= min_count)
+  return counts.remove(keys, valid=admitted), admitted

@@ -1,0 +1,301 @@
+"""``jr.DynamicEmbedding``: embedding rows assigned to ids inside ``nnx.jit``, trained row by row."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxres._core import batch as batch_lib
+from jaxres._core.args import check_int
+from jaxres._core.eviction import check_policy
+from jaxres._core.open_addressing import OpenAddressingTable
+from jaxres._core.sharded import ShardedTable
+from jaxres._core.table import Table, check_capacity
+from jaxres._nn import admission
+from jaxres._nn.rowwise import RowOptimizer
+
+_INITIALIZER = nnx.initializers.normal(0.01)
+_STATS = ("admitted", "refused", "evictions")
+
+
+class EmbeddingState(nnx.Variable):
+  """The tables and counters of a :class:`DynamicEmbedding` (not an ``nnx.Param``: no dense gradient)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+  """What the jitted steps need to know, static."""
+
+  optimizer: RowOptimizer
+  initializer: Callable
+  min_count: int
+
+  @property
+  def features(self) -> int:
+    return self.optimizer.features
+
+
+class DynamicEmbedding(nnx.Module):
+  """An embedding whose rows are given to ids as they arrive and trained by a row-wise optimizer.
+
+  A hash table (:class:`jaxres.OpenAddressingTable`, or a
+  :class:`jaxres.ShardedTable` over ``mesh``) maps each id to its value: the
+  embedding row **and the row's optimizer state** (Adam's ``mu``, ``nu`` and
+  its own ``count``). Calling the module looks ids up and gives new ids rows;
+  :meth:`apply_gradients` updates the rows of a batch's ids only. Both cost
+  O(batch), whatever the capacity, eagerly and inside ``nnx.jit`` (donate the
+  model, ``nnx.jit(..., donate_argnums=0)``, so the table is updated in
+  place).
+
+  - **New ids.** An id's first row is ``initializer(key, (features,))`` with a
+    key derived from the seed and the id alone: the same row whatever the
+    arrival order or the shard.
+  - **Full table.** With ``eviction=jr.LRU()`` (or ``jr.LFU()``) a new id
+    replaces the lowest-scored row near its position, row and optimizer
+    state together (see ``jr.OpenAddressingTable``); with ``eviction=None``
+    new ids are refused once the table is full.
+  - **Admission.** With ``min_count > 1``, an id gets a row at its
+    ``min_count``-th occurrence, counted in a bounded table of
+    ``admission_capacity`` ids (:mod:`jaxres._nn.admission`: it never
+    admits early; it may admit late when more than ``admission_capacity``
+    unadmitted ids arrive between two occurrences of an id).
+  - **Refused ids** (not admitted yet, or a full table without eviction)
+    read zeros and get no update; an evicted or refused id that comes back
+    starts afresh.
+
+  Args:
+    capacity: the rows the table holds (live ids at most).
+    features: the width of a row.
+    key: the id dtype (``jnp.int64`` by default: with ``jax_enable_x64``
+      off, pass NumPy ``int64`` ids eagerly and ``jr.keys.split64`` word
+      pairs inside ``jit``), ``int32``, ``uint32`` or ``uint64``.
+    optimizer: an elementwise ``optax.GradientTransformation`` (``sgd``,
+      ``adam``, ``adagrad``, ``rmsprop``, ``lion``, chains of them), applied to
+      each row with its own state.
+    eviction: ``None``, ``jr.LRU()`` or ``jr.LFU()``.
+    min_count: occurrences an id needs to get a row (1: at once).
+    initializer: ``initializer(key, shape, dtype)``, as ``nnx.initializers``
+      (default: ``normal(0.01)``).
+    rngs: ``nnx.Rngs``; its ``params`` stream gives the seed of new rows.
+    mesh, axis: shard the table over this mesh axis (both or neither).
+    admission_capacity: ids the admission count holds (default ``capacity``).
+
+  Example:
+    >>> import numpy as np, optax, jaxres as jr
+    >>> from flax import nnx
+    >>> emb = jr.DynamicEmbedding(4, 2, optimizer=optax.sgd(1.0), rngs=nnx.Rngs(0))
+    >>> ids = np.array([7, 2**40, 7])
+    >>> rows = emb(ids)
+    >>> rows.shape, emb.size()
+    ((3, 2), 2)
+    >>> emb.apply_gradients(ids, np.ones((3, 2), np.float32))   # 7 twice: its gradient is 2
+    >>> np.allclose(emb(ids) - rows, [[-2, -2], [-1, -1], [-2, -2]])
+    True
+    >>> emb.stats()
+    {'admitted': 2, 'refused': 0, 'evictions': 0}
+  """
+
+  def __init__(
+    self,
+    capacity: int,
+    features: int,
+    *,
+    key=jnp.int64,
+    optimizer,
+    eviction=None,
+    min_count: int = 1,
+    initializer: Callable = _INITIALIZER,
+    rngs: nnx.Rngs,
+    mesh: Mesh | None = None,
+    axis: str | None = None,
+    admission_capacity: int | None = None,
+  ):
+    capacity = check_capacity(capacity)
+    features = check_int(features, "features", low=1)
+    min_count = check_int(min_count, "min_count", low=1)
+    eviction = check_policy(eviction)
+    if eviction is not None and eviction.takes_scores:
+      raise ValueError(f"eviction: {eviction} needs scores from the caller; use jr.LRU() or jr.LFU().")
+    if not callable(initializer):
+      raise TypeError(f"initializer: expected initializer(key, shape, dtype), got {initializer!r}.")
+    if not isinstance(rngs, nnx.Rngs):
+      raise TypeError(f"rngs: expected an nnx.Rngs, got {rngs!r}.")
+    if (mesh is None) != (axis is None):
+      raise ValueError("mesh, axis: give both to shard the table, or neither.")
+    optimizer = RowOptimizer.wrap(optimizer, features)
+    value = {"row": jax.ShapeDtypeStruct((features,), jnp.float32), "slots": optimizer.slots}
+    default = jax.tree.map(lambda _: 0, value)
+    if mesh is None:
+      table = OpenAddressingTable.create(capacity, key=key, value=value, default=default, eviction=eviction)
+    else:
+      table = ShardedTable.create(
+        mesh, axis, capacity, key=key, value=value, default=default, eviction=eviction
+      )
+    self._spec = _Spec(optimizer, initializer, min_count)
+    self.capacity, self.features = capacity, features
+    self.table = EmbeddingState(table)
+    room = (
+      capacity if admission_capacity is None else check_capacity(admission_capacity, "admission_capacity")
+    )
+    self.counts = EmbeddingState(admission.counter(room, key)) if min_count > 1 else None
+    self.seed = EmbeddingState(jax.random.key_data(rngs.params()))
+    self.counters = EmbeddingState(jnp.zeros((len(_STATS), 2), jnp.uint32))  # 64-bit: (high, low) words
+
+  def __call__(self, ids) -> jax.Array:
+    """``float32[*batch, features]``: the rows of ``ids``, new ids given rows (zeros where refused)."""
+    table = self.table.get_value()
+    words, batch = table.key_spec.encode(ids, "ids")
+    if not words.size:
+      return jnp.zeros((*batch, self.features), jnp.float32)
+    counts = None if self.counts is None else self.counts.get_value()
+    table, counts, counters, rows = _embed(
+      self._spec,
+      table,
+      counts,
+      self.counters.get_value(),
+      self.seed.get_value(),
+      words.reshape(-1, words.shape[-1]),
+    )
+    self.table.set_value(table)
+    if counts is not None:
+      self.counts.set_value(counts)
+    self.counters.set_value(counters)
+    return rows.reshape(*batch, self.features)
+
+  def apply_gradients(self, ids, row_grads) -> None:
+    """One optimizer step on the rows of ``ids``, with the gradients of those rows.
+
+    Gradients of an id that occurs several times are summed (in a fixed
+    order, so results are bitwise reproducible), then each distinct id's row
+    and optimizer state take one update. Ids without a row are skipped;
+    other rows are not touched.
+
+    Args:
+      ids: the ids of the rows (as for calling the module).
+      row_grads: ``float[*batch, features]``, e.g. the gradient of the loss
+        with respect to the rows the module returned.
+
+    Raises:
+      TypeError, ValueError: ids or gradients of the wrong dtype or shape
+        (the table is unchanged).
+    """
+    table = self.table.get_value()
+    words, batch = table.key_spec.encode(ids, "ids")
+    grads = jnp.asarray(row_grads) if not isinstance(row_grads, jax.Array) else row_grads
+    if not jnp.issubdtype(grads.dtype, jnp.floating):
+      raise TypeError(f"row_grads: expected floating gradients, got {grads.dtype}.")
+    if grads.shape != (*batch, self.features):
+      raise ValueError(
+        f"row_grads: expected shape {(*batch, self.features)} (one row per id), got {tuple(grads.shape)}."
+      )
+    if not words.size:
+      return
+    flat = grads.reshape(-1, self.features).astype(jnp.float32)
+    self.table.set_value(_update(self._spec, table, words.reshape(-1, words.shape[-1]), flat))
+
+  # ------------------------------------------------------------- reading
+
+  def size(self) -> int:
+    """The number of ids that have a row."""
+    return int(self.table.get_value().size)
+
+  def export(self) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, rows)`` of every id with a row, as NumPy: ids in their exact dtype, sorted."""
+    keys, values, valid = jax.device_get(self.table.get_value().export())
+    valid = np.asarray(valid)
+    ids, rows = np.asarray(keys)[valid], np.asarray(values["row"])[valid]
+    order = np.argsort(ids, kind="stable")
+    return ids[order], rows[order]
+
+  def stats(self) -> dict[str, int]:
+    """``{"admitted", "refused", "evictions"}``: ids given rows, lookups given none, ids evicted."""
+    words = np.asarray(jax.device_get(self.counters.get_value())).astype(np.uint64)
+    return {name: int((high << np.uint64(32)) | low) for name, (high, low) in zip(_STATS, words)}
+
+  @property
+  def eviction(self):
+    """The eviction policy (``None``: a full table refuses new ids)."""
+    return self.table.get_value().eviction
+
+  @property
+  def min_count(self) -> int:
+    return self._spec.min_count
+
+  def __repr__(self) -> str:
+    return (
+      f"jr.DynamicEmbedding(capacity={self.capacity}, features={self.features}, "
+      f"eviction={self.eviction}, min_count={self.min_count})"
+    )
+
+
+def _add64(words: jax.Array, amounts: jax.Array) -> jax.Array:
+  """64-bit counters as ``(high, low)`` uint32 words, plus non-negative int32 ``amounts``."""
+  low = words[:, 1] + amounts.astype(jnp.uint32)
+  high = words[:, 0] + (low < words[:, 1]).astype(jnp.uint32)
+  return jnp.stack([high, low], axis=1)
+
+
+def _initial_values(spec: _Spec, seed: jax.Array, words: jax.Array, new: jax.Array) -> dict:
+  """The row and optimizer state each new id starts with: a function of the seed and the id alone.
+
+  Only the ``new`` rows need one. Drawing a row costs a random key per id, so
+  when at most a quarter of the batch is new (the common case once a table
+  is warm) only those rows are drawn; other rows get zeros, which nothing reads.
+  """
+  base = jax.random.wrap_key_data(seed)
+
+  def row(id_words):
+    key = base
+    for w in range(id_words.shape[0]):
+      key = jax.random.fold_in(key, id_words[w])
+    return spec.initializer(key, (spec.features,), jnp.float32)
+
+  n = words.shape[0]
+  few = max(1, n // 4)
+
+  def some():
+    (index,) = jnp.nonzero(new, size=few, fill_value=n)
+    drawn = jax.vmap(row)(words[jnp.minimum(index, n - 1)])
+    return jnp.zeros((n, spec.features), jnp.float32).at[index].set(drawn, mode="drop")
+
+  rows = jax.lax.cond(jnp.sum(new) <= few, some, lambda: jax.vmap(row)(words))
+  return {"row": rows, "slots": tuple(spec.optimizer.init(rows))}
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _embed(spec: _Spec, table: Table, counts, counters, seed, words):
+  keys = table.key_spec.decode(words)
+  before = table.size
+  found = table.contains(keys)
+  if counts is None:
+    admitted = jnp.ones(words.shape[0], bool)
+  else:
+    counts, admitted = admission.admit(counts, keys, ~found, spec.min_count)
+    admitted = admitted | found
+  initial = _initial_values(spec, seed, words, admitted & ~found)
+  table, _, evicted = table.find_or_insert_and_evict(keys, initial, valid=admitted)
+  # Rows are read from the updated table: reading find_or_insert's output (gathered before its
+  # writes) would keep the old value array alive and make XLA copy it, O(capacity) per call.
+  values, present = table.lookup(keys)
+  evictions = jnp.sum(evicted.valid & present, dtype=jnp.int32)  # a placed id's row, its victim reported
+  admitted_ids = table.size - before + evictions
+  refused = jnp.sum(~present, dtype=jnp.int32)
+  counters = _add64(counters, jnp.stack([admitted_ids, refused, evictions]))
+  return table, counts, counters, values["row"]
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _update(spec: _Spec, table: Table, words, grads):
+  keys = table.key_spec.decode(words)
+  total = batch_lib.group_sums(words, grads)
+  values, present = table.lookup(keys)
+  rows, slots = spec.optimizer.update(total, values["row"], values["slots"])
+  # Every row of an id carries the same new value, so which one is written does not matter.
+  return table.assign(keys, {"row": rows, "slots": tuple(slots)}, valid=present)

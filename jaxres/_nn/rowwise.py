@@ -1,0 +1,101 @@
+"""Row-wise optimizers: an elementwise optax transformation applied to table rows one by one.
+
+Each row keeps its own optimizer state (Adam's ``mu``, ``nu`` and ``count``)
+next to it, so an update touches only the rows given, whatever the table's
+capacity, and a row never updated keeps its state as initialised ("lazy"
+semantics, as TensorFlow's LazyAdam).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+@dataclasses.dataclass(frozen=True)
+class RowOptimizer:
+  """An optax transformation vectorised over rows, its per-row state as flat leaves.
+
+  Build one with :meth:`wrap`, which checks that the transformation works
+  row by row.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> opt = RowOptimizer.wrap(optax.sgd(0.5), features=2)
+    >>> rows = jnp.ones((3, 2))
+    >>> rows, slots = opt.update(jnp.full((3, 2), 2.0), rows, opt.init(rows))
+    >>> rows.tolist()
+    [[0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]
+  """
+
+  transformation: optax.GradientTransformation
+  features: int
+  treedef: jax.tree_util.PyTreeDef  # of one row's optimizer state
+  slots: tuple[jax.ShapeDtypeStruct, ...]  # one row's state leaves
+
+  @classmethod
+  def wrap(cls, optimizer, features: int) -> RowOptimizer:
+    """Checks ``optimizer`` on a row of ``features`` float32 values.
+
+    Raises:
+      TypeError: ``optimizer`` is not an ``optax.GradientTransformation``.
+      ValueError: it cannot work row by row: it fails on a row, needs extra
+        arguments (a loss value), keeps state that is not per element (a
+        history, factored moments), or mixes the elements of a row (a norm
+        clip).
+    """
+    if not isinstance(optimizer, optax.GradientTransformation):
+      raise TypeError(
+        f"optimizer: expected an optax.GradientTransformation such as optax.adam(1e-3), got {optimizer!r}."
+      )
+    row = jax.ShapeDtypeStruct((features,), jnp.float32)
+    try:
+      state = jax.eval_shape(optimizer.init, row)
+      updates, _ = jax.eval_shape(optimizer.update, row, state, row)
+    except Exception as err:
+      raise ValueError(
+        f"optimizer: it fails on one row of {features} float32 values ({type(err).__name__}: {err}); "
+        "jr.DynamicEmbedding updates rows one by one with update(grads, state, params) only."
+      ) from err
+    leaves, treedef = jax.tree.flatten(state)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+      if leaf.shape not in ((), (features,)):
+        raise ValueError(
+          f"optimizer: its state {jax.tree_util.keystr(path)} has shape {leaf.shape} for a row of "
+          f"{features}: not one value per element (or per row), so it cannot be kept per row."
+        )
+    if updates.shape != (features,):
+      raise ValueError(f"optimizer: its updates have shape {updates.shape}, expected ({features},).")
+    slots = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves)
+    optimizer_ = cls(optimizer, features, treedef, slots)
+    optimizer_._check_elementwise()
+    return optimizer_
+
+  def _check_elementwise(self) -> None:
+    """Raises ``ValueError`` when an element's update depends on other elements of its row."""
+    probe = jnp.linspace(-3.0, 5.0, self.features, dtype=jnp.float32)  # large: norm clips engage
+    state = self.transformation.init(probe)
+    jacobian = np.asarray(jax.jacfwd(lambda g: self.transformation.update(g, state, probe)[0])(probe * 10))
+    if np.any(jacobian[~np.eye(self.features, dtype=bool)] != 0):
+      raise ValueError(
+        "optimizer: the update of an element depends on other elements of its row (a norm clip or a "
+        "normalisation); jr.DynamicEmbedding takes elementwise transformations (sgd, adam, adagrad, "
+        "rmsprop, lion, clip, chains of them)."
+      )
+
+  def init(self, rows: jax.Array) -> list[jax.Array]:
+    """The initial state leaves of ``rows`` (``[n, features]``): leaves ``[n, *slot_shape]``."""
+    return jax.tree.leaves(jax.vmap(self.transformation.init)(rows))
+
+  def update(self, grads: jax.Array, rows: jax.Array, slots) -> tuple[jax.Array, list[jax.Array]]:
+    """One step for each row: ``(rows, slots)`` after the gradients ``grads`` (``[n, features]``)."""
+
+    def one(grad, row, leaves):
+      updates, state = self.transformation.update(grad, jax.tree.unflatten(self.treedef, leaves), row)
+      return optax.apply_updates(row, updates), jax.tree.leaves(state)
+
+    return jax.vmap(one)(grads, rows, list(slots))

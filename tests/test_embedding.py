@@ -1,0 +1,343 @@
+"""jr.DynamicEmbedding: row-wise optimizers against NumPy, admission, eviction, checkpoints, sharding."""
+
+import collections
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from oracle import mesh_of
+
+import jaxres as jr
+
+FEATURES = 3
+POOL = (np.arange(24, dtype=np.int64) * 7919 + 2**40) * np.array([1, -1] * 12)  # 64-bit ids, exact
+SGD, ADAM, SLOW = (
+  optax.sgd(0.5),
+  optax.adam(0.1),
+  optax.sgd(0.05),
+)  # shared: modules built alike share compiles
+
+
+def _embedding(capacity=64, optimizer=ADAM, **kwargs):
+  return jr.DynamicEmbedding(capacity, FEATURES, optimizer=optimizer, rngs=nnx.Rngs(0), **kwargs)
+
+
+def _batches(seed, steps, size=8, pool=POOL):
+  rng = np.random.default_rng(seed)
+  return [
+    (rng.choice(pool, size), rng.normal(size=(size, FEATURES)).astype(np.float32)) for _ in range(steps)
+  ]
+
+
+def _rows(emb) -> dict:
+  ids, rows = emb.export()
+  return dict(zip(ids.tolist(), rows))
+
+
+class NumpyRows:
+  """The reference: each id's row and optimizer state, updated in float64 by the textbook formulas."""
+
+  def __init__(self, name: str, learning_rate: float):
+    self.name, self.lr = name, learning_rate
+    self.rows, self.mu, self.nu, self.count = {}, {}, {}, collections.Counter()
+
+  def start(self, key: int, row: np.ndarray) -> None:
+    self.rows.setdefault(key, row.astype(np.float64))
+    self.mu.setdefault(key, np.zeros(FEATURES))
+    self.nu.setdefault(key, np.zeros(FEATURES))
+
+  def step(self, ids, grads) -> None:
+    totals = collections.defaultdict(lambda: np.zeros(FEATURES))
+    for key, grad in zip(ids.tolist(), grads.astype(np.float64)):
+      totals[key] += grad
+    for key, g in totals.items():
+      if self.name == "sgd":
+        self.rows[key] -= self.lr * g
+        continue
+      self.count[key] += 1
+      t = self.count[key]
+      self.mu[key] = 0.9 * self.mu[key] + 0.1 * g
+      self.nu[key] = 0.999 * self.nu[key] + 0.001 * g * g
+      mu_hat, nu_hat = self.mu[key] / (1 - 0.9**t), self.nu[key] / (1 - 0.999**t)
+      self.rows[key] -= self.lr * mu_hat / (np.sqrt(nu_hat) + 1e-8)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_rowwise_optimizers_match_numpy_and_leave_other_rows_bitwise(name):
+  emb = _embedding(optimizer=SGD if name == "sgd" else ADAM)
+  reference = NumpyRows(name, 0.5 if name == "sgd" else 0.1)
+  for ids, grads in _batches(seed=1, steps=5):
+    rows = np.asarray(emb(ids))
+    for key, row in zip(ids.tolist(), rows):
+      reference.start(key, row)
+      np.testing.assert_allclose(row, reference.rows[key], rtol=1e-5, atol=1e-6)
+    before = _rows(emb)
+    emb.apply_gradients(ids, grads)
+    reference.step(ids, grads)
+    after = _rows(emb)
+    assert after.keys() == before.keys()
+    for key, row in after.items():
+      if key in set(ids.tolist()):
+        np.testing.assert_allclose(row, reference.rows[key], rtol=1e-5, atol=1e-6)
+      else:
+        assert row.tobytes() == before[key].tobytes()  # untouched rows: bitwise unchanged
+  if name == "adam":  # each row keeps its own count: the steps that touched it
+    ids = np.array(sorted(reference.rows), np.int64)
+    count = emb.table.get_value().find(ids)["slots"][0]
+    assert np.asarray(count).tolist() == [reference.count[k] for k in ids.tolist()]
+
+
+def test_new_rows_depend_on_the_seed_and_the_id_alone():
+  a, b = _embedding(), _embedding()
+  ids = POOL[:6]
+  rows_a = np.asarray(a(ids))
+  rows_b = np.asarray(b(ids[::-1]))[::-1]
+  assert rows_a.tobytes() == rows_b.tobytes()
+  few = _embedding()  # one new id in a batch of known ones: drawn alone (the sparse path)
+  few(ids[:-1])
+  assert np.asarray(few(ids))[-1].tobytes() == rows_a[-1].tobytes()
+  other = jr.DynamicEmbedding(64, FEATURES, optimizer=ADAM, rngs=nnx.Rngs(1))
+  assert not np.array_equal(np.asarray(other(ids)), rows_a)
+  assert len({row.tobytes() for row in rows_a}) == len(ids)
+
+
+def test_int64_ids_with_equal_low_words_get_distinct_rows():
+  emb = _embedding()
+  ids = np.array([5, 5 + 2**32, 5 - 2**40], np.int64)
+  rows = np.asarray(emb(ids))
+  assert emb.size() == 3 and len({row.tobytes() for row in rows}) == 3
+  assert emb.export()[0].tolist() == sorted(ids.tolist()) and emb.export()[0].dtype == np.int64
+
+
+class Tower(nnx.Module):
+  def __init__(self, capacity, **kwargs):
+    self.emb = _embedding(capacity, optimizer=SLOW, **kwargs)
+    self.head = nnx.Linear(FEATURES, 1, rngs=nnx.Rngs(1))
+
+  def loss(self, rows, labels):
+    return jnp.mean((self.head(rows).sum(axis=(1, 2)) - labels) ** 2)
+
+
+def _train_step(model, optimizer, ids, labels):
+  rows = model.emb(ids)
+  loss, (grads, row_grads) = nnx.value_and_grad(lambda m, r: m.loss(r, labels), argnums=(0, 1))(model, rows)
+  optimizer.update(model, grads)
+  model.emb.apply_gradients(ids, row_grads)
+  return loss
+
+
+_jit_step = nnx.jit(_train_step, donate_argnums=(0, 1))
+
+
+def _tower_batches(steps, seed=3):
+  rng = np.random.default_rng(seed)
+  return [(rng.choice(POOL, (4, 2)), rng.normal(size=4).astype(np.float32)) for _ in range(steps)]
+
+
+def _train(model, batches, jit=True):
+  optimizer = nnx.Optimizer(model, SLOW, wrt=nnx.Param)
+  losses = []
+  for ids, labels in batches:
+    if jit:
+      losses.append(float(_jit_step(model, optimizer, jr.keys.split64(ids), labels)))
+    else:
+      losses.append(float(_train_step(model, optimizer, ids, labels)))
+  return losses
+
+
+def test_training_in_nnx_jit_persists_updates_and_matches_eager():
+  batches = _tower_batches(2) * 3  # the same batches again: their loss must fall
+  jitted, eager = Tower(16, eviction=jr.LRU()), Tower(16, eviction=jr.LRU())
+  losses_jit, losses_eager = _train(jitted, batches), _train(eager, batches, jit=False)
+  np.testing.assert_allclose(losses_jit, losses_eager, rtol=1e-5)
+  assert sum(losses_jit[-2:]) < sum(losses_jit[:2])
+  a, b = _rows(jitted.emb), _rows(eager.emb)
+  assert a.keys() == b.keys() and jitted.emb.size() == len(a) <= 16
+  for key in a:
+    np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6)
+  assert jitted.emb.stats() == eager.emb.stats()
+
+
+def test_admission_eviction_and_counters_follow_their_definitions():
+  """An oracle of occurrences: ids get rows at their second occurrence; counters add up exactly."""
+  emb = _embedding(4, eviction=jr.LRU(), min_count=2, admission_capacity=64)
+  counts, expected = collections.Counter(), {"admitted": 0, "refused": 0, "evictions": 0}
+  for ids, _ in _batches(seed=4, steps=12, size=6, pool=POOL[:10]):
+    before = set(_rows(emb))
+    for key in ids.tolist():
+      if key not in before:
+        counts[key] += 1
+    rows = np.asarray(emb(ids))
+    after = set(_rows(emb))
+    assert len(after) <= 4
+    for key in after - before:  # admitted now: seen min_count times since it last had no row
+      assert counts[key] >= 2
+      counts[key] = 0
+    for key in set(ids.tolist()) - before - after:
+      assert counts[key] < 2 or len(before) == 4  # not admitted yet, or refused by a full table
+    for key in before - after:
+      counts[key] = 0  # evicted: starts afresh
+    present = np.array([key in after for key in ids.tolist()])
+    assert not rows[~present].any()  # refused ids read zeros
+    expected["admitted"] += len(after - before)
+    expected["evictions"] += len(before - after)
+    expected["refused"] += int((~present).sum())
+    assert emb.stats() == expected
+  assert expected["evictions"] > 0 and expected["refused"] > 0
+
+
+def test_refused_ids_get_no_update_and_a_full_table_without_eviction_refuses():
+  emb = _embedding(2, optimizer=SGD)
+  ids = POOL[:4]
+  rows = np.asarray(emb(ids))
+  assert emb.size() == 2 and not rows[2:].any() and emb.stats()["refused"] == 2
+  emb.apply_gradients(ids, np.ones((4, FEATURES), np.float32))
+  assert emb.size() == 2 and set(_rows(emb)) == set(ids[:2].tolist())
+
+
+def _run(emb, batches):
+  for ids, grads in batches:
+    emb(ids)
+    emb.apply_gradients(ids, grads)
+  return emb
+
+
+def test_runs_are_deterministic():
+  batches = _batches(seed=5, steps=6, size=12)
+  a = _run(_embedding(8, eviction=jr.LFU(), min_count=2), batches)
+  b = _run(_embedding(8, eviction=jr.LFU(), min_count=2), batches)
+  ids_a, rows_a = a.export()
+  ids_b, rows_b = b.export()
+  assert ids_a.tolist() == ids_b.tolist() and rows_a.tobytes() == rows_b.tobytes()
+  assert a.stats() == b.stats()
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_checkpoint_round_trip_then_identical_steps(tmp_path, deferred):
+  """A full, evicting embedding saved mid-run and restored continues bitwise as the uninterrupted one."""
+  batches = _batches(seed=6, steps=8, size=12)
+  config = {"eviction": jr.LRU(), "min_count": 2, "admission_capacity": 8}
+  uninterrupted = _run(_embedding(8, **config), batches)
+  first = _run(_embedding(8, **config), batches[:4])
+  jr.Checkpoint(emb=first).save(tmp_path / "ckpt")
+  resumed = _embedding(8, **config)
+  if deferred:
+    root = jr.Checkpoint()
+    status = root.restore(tmp_path / "ckpt")
+    assert status.pending == ["emb"]
+    root.emb = resumed
+  else:
+    status = jr.Checkpoint(emb=resumed).restore(tmp_path / "ckpt")
+  status.assert_consumed()
+  assert resumed.stats() == first.stats()
+  _run(resumed, batches[4:])
+  for got, want in zip(resumed.export(), uninterrupted.export()):
+    assert got.tobytes() == want.tobytes()
+  assert resumed.stats() == uninterrupted.stats()
+
+
+def test_checkpoint_restores_into_another_capacity(tmp_path):
+  emb = _run(_embedding(8, eviction=jr.LRU()), _batches(seed=7, steps=3))
+  jr.Checkpoint(emb=emb).save(tmp_path / "ckpt")
+  bigger = _embedding(256, eviction=jr.LRU())
+  jr.Checkpoint(emb=bigger).restore(tmp_path / "ckpt").assert_consumed()
+  for got, want in zip(bigger.export(), emb.export()):
+    assert got.tobytes() == want.tobytes()
+  small = _embedding(2, eviction=jr.LRU())
+  with pytest.raises(ValueError, match="emb"):
+    jr.Checkpoint(emb=small).restore(tmp_path / "ckpt")
+  assert small.size() == 0
+
+
+def test_sharded_equals_unsharded():
+  batches = _batches(seed=8, steps=5, size=16)
+  mesh = mesh_of(4)
+  unsharded = _run(_embedding(128, min_count=2), batches)
+  sharded = _run(_embedding(128, min_count=2, mesh=mesh, axis="shard"), batches)
+  assert isinstance(sharded.table.get_value(), jr.ShardedTable)
+  for got, want in zip(sharded.export(), unsharded.export()):
+    assert got.tobytes() == want.tobytes()
+  assert sharded.stats() == unsharded.stats()
+
+
+def test_sharded_with_eviction_stays_within_capacity_and_restores_on_other_meshes(tmp_path):
+  emb = _run(
+    _embedding(16, eviction=jr.LRU(), mesh=mesh_of(4), axis="shard"), _batches(seed=9, steps=4, size=12)
+  )
+  assert emb.size() <= 16 and emb.stats()["evictions"] > 0
+  jr.Checkpoint(emb=emb).save(tmp_path / "ckpt")
+  unsharded = _embedding(16, eviction=jr.LRU())
+  two = _embedding(64, eviction=jr.LRU(), mesh=mesh_of(2), axis="shard")
+  for other in (unsharded, two):  # 4 shards -> 1 -> 2
+    jr.Checkpoint(emb=other).restore(tmp_path / "ckpt").assert_consumed()
+    for got, want in zip(other.export(), emb.export()):
+      assert got.tobytes() == want.tobytes()
+    assert other.stats() == emb.stats()
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "error", "name"),
+  [
+    ({"capacity": 0}, ValueError, "capacity"),
+    ({"features": 0}, ValueError, "features"),
+    ({"features": 2.0}, TypeError, "features"),
+    ({"min_count": 0}, ValueError, "min_count"),
+    ({"optimizer": "adam"}, TypeError, "optimizer"),
+    ({"optimizer": optax.adam}, TypeError, "optimizer"),
+    ({"optimizer": optax.clip_by_global_norm(1.0)}, ValueError, "optimizer"),
+    ({"optimizer": optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))}, ValueError, "optimizer"),
+    ({"optimizer": optax.lbfgs()}, ValueError, "optimizer"),
+    ({"optimizer": optax.adafactor(0.1)}, ValueError, "optimizer"),
+    ({"eviction": jr.CustomScore()}, ValueError, "eviction"),
+    ({"eviction": "lru"}, TypeError, "eviction"),
+    ({"mesh": None, "axis": "shard"}, ValueError, "mesh"),
+    ({"key": jnp.float32}, TypeError, "key"),
+    ({"initializer": 0.5}, TypeError, "initializer"),
+  ],
+)
+def test_bad_constructor_arguments_are_named(kwargs, error, name):
+  args = {"capacity": 8, "features": 2, "optimizer": SGD, "rngs": nnx.Rngs(0)} | kwargs
+  with pytest.raises(error, match=name):
+    jr.DynamicEmbedding(args.pop("capacity"), args.pop("features"), **args)
+
+
+@pytest.mark.parametrize("optimizer", [optax.adagrad(0.1), optax.rmsprop(0.1), optax.lion(0.1)])
+def test_elementwise_optimizers_are_accepted(optimizer):
+  emb = _embedding(8, optimizer=optimizer)
+  ids = POOL[:3]
+  before = np.asarray(emb(ids))
+  emb.apply_gradients(ids, np.ones((3, FEATURES), np.float32))
+  assert not np.array_equal(np.asarray(emb(ids)), before)
+
+
+def test_bad_gradients_and_ids_leave_the_embedding_unchanged():
+  emb = _run(_embedding(8), _batches(seed=10, steps=2))
+  ids = POOL[:4]
+  emb(ids)
+  before, stats = emb.export(), emb.stats()
+  for grads, error, name in [
+    (np.ones((4, FEATURES + 1), np.float32), ValueError, "row_grads"),
+    (np.ones((3, FEATURES), np.float32), ValueError, "row_grads"),
+    (np.ones((4, FEATURES), np.int32), TypeError, "row_grads"),
+  ]:
+    with pytest.raises(error, match=name):
+      emb.apply_gradients(ids, grads)
+  with pytest.raises(TypeError, match="ids"):
+    emb.apply_gradients(ids.astype(np.float32), np.ones((4, FEATURES), np.float32))
+  with pytest.raises(TypeError, match="ids"):
+    emb(ids.astype(np.float64))
+  after = emb.export()
+  assert all(a.tobytes() == b.tobytes() for a, b in zip(after, before)) and emb.stats() == stats
+
+
+def test_empty_batches_change_nothing():
+  emb = _run(_embedding(8), _batches(seed=11, steps=1))
+  before = emb.export()
+  assert emb(np.zeros((0,), np.int64)).shape == (0, FEATURES)
+  emb.apply_gradients(np.zeros((0,), np.int64), np.zeros((0, FEATURES), np.float32))
+  assert all(a.tobytes() == b.tobytes() for a, b in zip(emb.export(), before))
