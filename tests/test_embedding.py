@@ -2,6 +2,7 @@
 
 import collections
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -341,3 +342,13 @@ def test_empty_batches_change_nothing():
   assert emb(np.zeros((0,), np.int64)).shape == (0, FEATURES)
   emb.apply_gradients(np.zeros((0,), np.int64), np.zeros((0, FEATURES), np.float32))
   assert all(a.tobytes() == b.tobytes() for a, b in zip(emb.export(), before))
+
+
+def test_composite_ids_export_sorted_by_element():
+  emb = jr.DynamicEmbedding(16, 2, key=jax.ShapeDtypeStruct((2,), jnp.int32), optimizer=SGD, rngs=nnx.Rngs(0))
+  ids = np.array([[3, 1], [1, 9], [1, 2], [3, 0]], np.int32)
+  rows = np.asarray(emb(ids))
+  exported, exported_rows = emb.export()
+  order = sorted(range(4), key=lambda i: tuple(ids[i]))
+  assert exported.tolist() == ids[order].tolist()
+  assert exported_rows.tobytes() == rows[order].tobytes()

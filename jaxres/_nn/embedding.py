@@ -211,7 +211,7 @@ class DynamicEmbedding(nnx.Module):
     keys, values, valid = jax.device_get(self.table.get_value().export())
     valid = np.asarray(valid)
     ids, rows = np.asarray(keys)[valid], np.asarray(values["row"])[valid]
-    order = np.argsort(ids, kind="stable")
+    order = np.lexsort(ids.reshape(len(ids), -1).T[::-1])  # composite ids: by element, first to last
     return ids[order], rows[order]
 
   def stats(self) -> dict[str, int]:
