@@ -359,11 +359,9 @@ class ShardedTable(Table):
       check_slots(words[start:end], slots[shard], self.shards.values[0].shape[1])
       parts.append(np.arange(start, end))
 
-    def stacked(x, fill=0):
-      rows = [
-        jnp.pad(x[p], [(0, width - len(p))] + [(0, 0)] * (x.ndim - 1), constant_values=fill) for p in parts
-      ]
-      return jnp.stack(rows)
+    def stacked(x):
+      """Rows of every shard, padded to one width (padding is masked by ``valid``)."""
+      return jnp.stack([jnp.pad(x[p], [(0, width - len(p))] + [(0, 0)] * (x.ndim - 1)) for p in parts])
 
     flat_slots = jnp.asarray(np.concatenate([np.asarray(s, np.int64) for s in slots]).astype(np.int32))
     valid = jnp.stack([jnp.arange(width) < len(p) for p in parts])
