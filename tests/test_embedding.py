@@ -352,3 +352,8 @@ def test_composite_ids_export_sorted_by_element():
   order = sorted(range(4), key=lambda i: tuple(ids[i]))
   assert exported.tolist() == ids[order].tolist()
   assert exported_rows.tobytes() == rows[order].tobytes()
+
+
+def test_an_empty_embedding_exports_nothing():
+  ids, rows = _embedding().export()
+  assert ids.shape == (0,) and ids.dtype == np.int64 and rows.shape == (0, FEATURES)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -211,7 +212,8 @@ class DynamicEmbedding(nnx.Module):
     keys, values, valid = jax.device_get(self.table.get_value().export())
     valid = np.asarray(valid)
     ids, rows = np.asarray(keys)[valid], np.asarray(values["row"])[valid]
-    order = np.lexsort(ids.reshape(len(ids), -1).T[::-1])  # composite ids: by element, first to last
+    columns = ids.reshape(ids.shape[0], math.prod(ids.shape[1:])).T  # composite ids: element by element
+    order = np.lexsort(columns[::-1])
     return ids[order], rows[order]
 
   def stats(self) -> dict[str, int]:
