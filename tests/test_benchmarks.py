@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
@@ -38,31 +40,31 @@ def test_benchmark_harness_runs_on_tiny_sizes():
   assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr
 
 
-def test_eviction_benchmark_runs_on_tiny_sizes():
+@pytest.mark.parametrize(
+  ("module", "args", "rows"),
+  [
+    (
+      "eviction",
+      ["--scale", "0.003", "--calls", "3"],
+      ["LRU hit ratio", "LFU: top-1,000 ids kept", "8 shards", "full LRU table", "bytes of scores per slot"],
+    ),
+    (
+      "embedding",
+      ["--scale", "0.01", "--steps", "2"],
+      [
+        "| 2^10 |",
+        "| 2^12 |",
+        "step time flat in capacity",
+        "faster than the dense step",
+        "Quality, click task",
+      ],
+    ),
+  ],
+)
+def test_benchmark_runs_on_tiny_sizes(module, args, rows):
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  cmd = [sys.executable, "-m", "benchmarks.eviction", "--scale", "0.003", "--calls", "3", "--out", os.devnull]
+  cmd = [sys.executable, "-m", f"benchmarks.{module}", *args, "--out", os.devnull]
   result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout + result.stderr
-  for row in (
-    "LRU hit ratio",
-    "LFU: top-1,000 ids kept",
-    "8 shards",
-    "full LRU table",
-    "bytes of scores per slot",
-  ):
-    assert f"| {row}" in result.stdout or row in result.stdout, result.stdout
-
-
-def test_embedding_benchmark_runs_on_tiny_sizes():
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  cmd = [sys.executable, "-m", "benchmarks.embedding", "--scale", "0.01", "--steps", "2", "--out", os.devnull]
-  result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-  assert result.returncode == 0, result.stdout + result.stderr
-  for row in (
-    "| 2^10 |",
-    "| 2^12 |",
-    "step time flat in capacity",
-    "faster than the dense step",
-    "Quality, click task",
-  ):
+  for row in rows:
     assert row in result.stdout, result.stdout

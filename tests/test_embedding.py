@@ -162,26 +162,31 @@ def test_training_in_nnx_jit_persists_updates_and_matches_eager():
 
 
 def test_admission_eviction_and_counters_follow_their_definitions():
-  """An oracle of occurrences: ids get rows at their second occurrence; counters add up exactly."""
+  """An oracle of occurrences: an id gets its row at its second occurrence, in batch order."""
   emb = _embedding(4, eviction=jr.LRU(), min_count=2, admission_capacity=64)
   counts, expected = collections.Counter(), {"admitted": 0, "refused": 0, "evictions": 0}
   for ids, _ in _batches(seed=4, steps=12, size=6, pool=POOL[:10]):
     before = set(_rows(emb))
+    occurrence = []  # each row's occurrence number of its id, for ids without a row
     for key in ids.tolist():
       if key not in before:
         counts[key] += 1
+      occurrence.append(counts[key])
     rows = np.asarray(emb(ids))
     after = set(_rows(emb))
     assert len(after) <= 4
     for key in after - before:  # admitted now: seen min_count times since it last had no row
       assert counts[key] >= 2
-      counts[key] = 0
     for key in set(ids.tolist()) - before - after:
       assert counts[key] < 2 or len(before) == 4  # not admitted yet, or refused by a full table
+    for key in set(ids.tolist()) - before:
+      if counts[key] >= 2:
+        counts[key] = 0  # admitted, or refused by a full table: either way it starts afresh
     for key in before - after:
       counts[key] = 0  # evicted: starts afresh
-    present = np.array([key in after for key in ids.tolist()])
-    assert not rows[~present].any()  # refused ids read zeros
+    # A row is served if its id had one, or got one and this is its second occurrence or later.
+    present = np.array([k in before or (k in after and n >= 2) for k, n in zip(ids.tolist(), occurrence)])
+    assert not rows[~present].any() and rows[present].all(axis=1).all()  # the others read zeros
     expected["admitted"] += len(after - before)
     expected["evictions"] += len(before - after)
     expected["refused"] += int((~present).sum())
@@ -357,3 +362,16 @@ def test_composite_ids_export_sorted_by_element():
 def test_an_empty_embedding_exports_nothing():
   ids, rows = _embedding().export()
   assert ids.shape == (0,) and ids.dtype == np.int64 and rows.shape == (0, FEATURES)
+
+
+def test_occurrences_within_a_batch_count_in_batch_order():
+  emb = _embedding(8, min_count=3, admission_capacity=8)
+  rows = np.asarray(emb(np.array([5, 6, 5, 5, 5], np.int64)))
+  assert [bool(r.any()) for r in rows] == [False, False, False, True, True]  # 5's third occurrence on
+  assert rows[3].tobytes() == rows[4].tobytes() and emb.stats() == {
+    "admitted": 1,
+    "refused": 3,
+    "evictions": 0,
+  }
+  rows = np.asarray(emb(np.array([6, 6], np.int64)))  # 6 was seen once before
+  assert [bool(r.any()) for r in rows] == [False, True] and emb.size() == 2

@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxres._core import batch
 from jaxres._core.eviction import LRU
 from jaxres._core.open_addressing import OpenAddressingTable
 from jaxres._core.table import Table
@@ -27,21 +28,24 @@ def counter(capacity: int, key) -> OpenAddressingTable:
   return OpenAddressingTable.create(capacity, key=key, value=jnp.int32, default=0, eviction=LRU())
 
 
-def admit(counts: Table, keys, candidates: jax.Array, min_count: int) -> tuple[Table, jax.Array]:
+def admit(counts: Table, keys, words, candidates: jax.Array, min_count: int) -> tuple[Table, jax.Array]:
   """Counts the occurrences of ``keys`` where ``candidates``; ``(counts, admitted)``.
 
-  ``admitted`` (``bool[*batch]``) marks the candidate rows whose id has now
-  occurred at least ``min_count`` times: all its rows in the batch, the
-  earlier occurrences included, so a batch behaves as one step.
+  ``admitted`` (``bool[N]``) marks the candidate rows that are their id's
+  ``min_count``-th occurrence or later, in batch order, as if the rows came
+  one at a time: an earlier row of the same id in the batch is not admitted.
+  ``words`` are the keys' ``uint32[N, W]`` rows (for grouping the batch).
 
   Example:
     >>> import jax.numpy as jnp
     >>> counts = counter(8, jnp.int32)
-    >>> ids = jnp.array([4, 5, 4])
-    >>> counts, admitted = admit(counts, ids, jnp.ones(3, bool), min_count=2)
+    >>> ids = jnp.array([4, 5, 4, 4])
+    >>> counts, admitted = admit(counts, ids, ids[:, None].astype(jnp.uint32), jnp.ones(4, bool), 2)
     >>> admitted.tolist(), counts.contains(ids).tolist()  # 4 admitted: its count is dropped
-    ([True, False, True], [False, True, False])
+    ([False, False, True, True], [False, True, False, False])
   """
+  groups = batch.group(words, candidates)  # an id's candidate rows, contiguous, in batch order
+  earlier = batch.unsort(groups, jnp.arange(words.shape[0], dtype=jnp.int32) - groups.start)
+  admitted = candidates & (counts.find(keys) + earlier + 1 >= min_count)
   counts = counts.insert_or_apply(keys, jnp.ones(candidates.shape, jnp.int32), jnp.add, valid=candidates)
-  admitted = candidates & (counts.find(keys) >= min_count)
   return counts.remove(keys, valid=admitted), admitted

@@ -279,7 +279,7 @@ def _embed(spec: _Spec, table: Table, counts, counters, seed, words):
   if counts is None:
     admitted = jnp.ones(words.shape[0], bool)
   else:
-    counts, admitted = admission.admit(counts, keys, ~found, spec.min_count)
+    counts, admitted = admission.admit(counts, keys, words, ~found, spec.min_count)
     admitted = admitted | found
   initial = _initial_values(spec, seed, words, admitted & ~found)
   table, _, evicted = table.find_or_insert_and_evict(keys, initial, valid=admitted)
@@ -288,9 +288,10 @@ def _embed(spec: _Spec, table: Table, counts, counters, seed, words):
   values, present = table.lookup(keys)
   evictions = jnp.sum(evicted.valid & present, dtype=jnp.int32)  # a placed id's row, its victim reported
   admitted_ids = table.size - before + evictions
-  refused = jnp.sum(~present, dtype=jnp.int32)
+  served = present & admitted  # a row before an id's min_count-th occurrence reads zeros
+  refused = jnp.sum(~served, dtype=jnp.int32)
   counters = _add64(counters, jnp.stack([admitted_ids, refused, evictions]))
-  return table, counts, counters, values["row"]
+  return table, counts, counters, jnp.where(served[:, None], values["row"], 0.0)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
