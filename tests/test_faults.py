@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax.numpy as jnp
@@ -176,6 +177,32 @@ def test_full_disk_while_saving_keeps_the_previous_checkpoint(saved, tmp_path):
   jr.Checkpoint(model=fresh).restore(path)
   assert _snapshot(fresh) == before
   gc.collect()
+
+
+def test_writes_still_in_flight_after_a_failed_save_leave_nothing_behind(saved, tmp_path, monkeypatch):
+  """Orbax raises at its first failed write while others may still be writing."""
+  path, _ = saved
+  stragglers = []
+
+  def failing_save(directory, arrays):
+    def late_write():
+      time.sleep(0.1)  # after the save has failed and begun to clean up
+      os.makedirs(os.path.join(directory, "arrays", "d"), exist_ok=True)
+      pathlib.Path(directory, "arrays", "d", "late").write_bytes(b"x")
+
+    stragglers.append(threading.Thread(target=late_write))
+    stragglers[-1].start()
+    raise ValueError("OUT_OF_RANGE: File too large")
+
+  monkeypatch.setattr(jr._tracking.storage, "save_arrays", failing_save)
+  with pytest.raises(OSError, match="could not write the checkpoint"):
+    jr.Checkpoint(model=_graph(4)).save(path)
+  stragglers[0].join()
+  assert sorted(os.listdir(tmp_path)) == ["ckpt", "copy"]
+  monkeypatch.undo()
+  fresh = _graph(0)
+  jr.Checkpoint(model=fresh).restore(path).assert_consumed()
+  assert _snapshot(fresh) == _saved_at(3)
 
 
 def test_full_disk_during_an_asynchronous_step_save(tmp_path):

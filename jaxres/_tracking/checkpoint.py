@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from typing import Any
 
 from jaxres._shell.trackable import AutoTrackable
@@ -100,7 +101,7 @@ class Checkpoint(AutoTrackable):
         raise OSError(f"{path}: could not write the checkpoint, nothing was replaced ({err}).") from err
       _replace_dir(staging, path)
     except BaseException:
-      shutil.rmtree(staging, ignore_errors=True)
+      _discard(staging)
       raise
     return path
 
@@ -137,6 +138,21 @@ def _replace_dir(staging: str, path: str) -> None:
   os.rename(path, os.path.join(retired, "checkpoint"))
   os.rename(staging, path)
   shutil.rmtree(retired, ignore_errors=True)
+
+
+def _discard(staging: str, settle: float = 0.2, patience: float = 10.0) -> None:
+  """Removes a failed save's ``staging`` directory until it stays gone for ``settle`` seconds.
+
+  Orbax reports the first failed write while the others may still be in
+  flight, and those recreate their files; so the directory is removed again
+  until no write brings it back (or ``patience`` seconds have passed).
+  """
+  deadline = time.monotonic() + patience
+  while True:
+    shutil.rmtree(staging, ignore_errors=True)
+    time.sleep(settle)
+    if not os.path.exists(staging) or time.monotonic() > deadline:
+      return
 
 
 def _recover(path: str) -> None:
