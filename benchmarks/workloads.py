@@ -1,14 +1,16 @@
 """The workloads, timed the same way for every peer on the same data.
 
 * insert ``n`` distinct int64 keys into a fresh table, batches of 65536;
-* find ``n`` queries (50% hits), batches of 65536;
+* find ``n`` queries (50% hits), batches of 65536, and in one call;
+* find a 4096-key batch of queries, time per call;
 * remove half of the keys, batches of 65536;
 * the training-step pattern: insert then find a 4096-key batch (half known
   ids, half new) on a table holding ``n`` keys, time per call;
 * per-call cost at a fixed 4096-key batch on tables of growing capacity.
 
-Every timed loop runs once untimed first (compilation, tracing, warm caches)
-and the best of ``repeats`` timed runs is kept.
+Every timed loop runs once untimed first (compilation, tracing, warm caches),
+then ``repeats`` timed runs: each metric is their median, with the range of the
+runs kept in ``result["spread"]``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 BATCH = 65536
 STEP_BATCH = 4096
 STEPS = 50
+RUNS = 3  # timed runs of every workload: their median is reported, with their range
 _RESERVED = np.array([-(2**63), -(2**63) + 1], np.int64)  # TF DenseHashTable's empty/deleted keys
 
 
@@ -46,9 +49,9 @@ class Data:
   width: int
 
   def __post_init__(self):
-    both = distinct_keys(2 * self.n + STEPS * STEP_BATCH, seed=0)
+    both = distinct_keys(2 * self.n + (RUNS + 1) * STEPS * STEP_BATCH // 2, seed=0)
     self.keys, self.misses = both[: self.n], both[self.n : 2 * self.n]
-    self.fresh = both[2 * self.n :]  # new ids of the step workload
+    self.fresh = both[2 * self.n :]  # new ids of the step workload, for the warm-up and each run
     hit = np.random.default_rng(1).random(self.n) < 0.5
     self.queries = np.where(hit, self.keys, self.misses)
     shape = (self.n, self.width) if self.width > 1 else (self.n,)
@@ -57,17 +60,24 @@ class Data:
   @property
   def capacity(self) -> int:
     """Room for every key, the step workload's new ids included."""
-    return self.n + STEPS * STEP_BATCH // 2
+    return self.n + (RUNS + 1) * STEPS * STEP_BATCH // 2
 
 
-def _best(run, repeats: int) -> float:
-  run()  # untimed: compile, trace, warm up
-  best = float("inf")
+def _times(run, repeats: int) -> list[float]:
+  """Seconds of ``repeats`` timed runs, after one untimed run (compile, trace, warm up)."""
+  run()
+  times = []
   for _ in range(repeats):
     start = time.perf_counter()
     run()
-    best = min(best, time.perf_counter() - start)
-  return best
+    times.append(time.perf_counter() - start)
+  return times
+
+
+def _record(result: dict, metric: str, values: list[float]) -> None:
+  """The median of the runs as the metric, their range as its spread."""
+  result[metric] = float(np.median(values))
+  result.setdefault("spread", {})[metric] = (min(values), max(values))
 
 
 def _rss() -> int:
@@ -100,7 +110,7 @@ def _measure_memory(name: str, n: int, width: int) -> None:
   print((_rss() - before) / n)
 
 
-def measure(peer, data: Data, repeats: int = 3) -> dict[str, float]:
+def measure(peer, data: Data, repeats: int = RUNS) -> dict[str, float]:
   """Throughputs (keys/s), the step's time per call (µs) and bytes per entry."""
   batches = [
     peer.batch(data.keys[i : i + BATCH], data.values[i : i + BATCH]) for i in range(0, data.n, BATCH)
@@ -116,7 +126,7 @@ def measure(peer, data: Data, repeats: int = 3) -> dict[str, float]:
         peer.insert(keys, values)
       peer.wait()
 
-    result["insert"] = data.n / _best(fill, repeats)
+    _record(result, "insert", [data.n / t for t in _times(fill, repeats)])
   peer.build(data.capacity, data.keys, data.values, BATCH)
   result["bytes/entry"] = peer.table_bytes() / data.n if hasattr(peer, "table_bytes") else None
 
@@ -125,38 +135,67 @@ def measure(peer, data: Data, repeats: int = 3) -> dict[str, float]:
       out = peer.find(keys)
     peer.wait(out)
 
-  result["find"] = data.n / _best(find_all, repeats)
+  _record(result, "find", [data.n / t for t in _times(find_all, repeats)])
+  everything = peer.batch(data.queries, data.values[:1])[0]
+
+  def find_once():
+    peer.wait(peer.find(everything))
+
+  _record(result, "find_1call", [data.n / t for t in _times(find_once, repeats)])
+  small = [
+    peer.batch(data.queries[i : i + STEP_BATCH], data.values[:1])[0]
+    for i in range(0, STEPS * STEP_BATCH, STEP_BATCH)
+  ]
+
+  def find_small():
+    for keys in small:
+      out = peer.find(keys)
+    peer.wait(out)
+
+  _record(result, "find_us", [t / len(small) * 1e6 for t in _times(find_small, repeats)])
 
   if "step" in peer.supports:
     half = STEP_BATCH // 2
     known = np.arange(STEPS * half) % data.n  # ids already in the table
-    steps = [
-      peer.batch(
-        np.concatenate([data.keys[known[i * half : (i + 1) * half]], data.fresh[i * half : (i + 1) * half]]),
-        data.values[:STEP_BATCH],
-      )
-      for i in range(STEPS)
-    ]
-    out = peer.step(*steps[-1])  # untimed: compile or trace
-    peer.wait(out)
-    start = time.perf_counter()
-    for keys, values in steps:
-      out = peer.step(keys, values)
-    peer.wait(out)
-    result["step_us"] = (time.perf_counter() - start) / STEPS * 1e6
+
+    def step_batches(run: int):  # each run (and the warm-up, run -1) brings its own new ids
+      fresh = data.fresh[(run + 1) * STEPS * half :]
+      return [
+        peer.batch(
+          np.concatenate([data.keys[known[i * half : (i + 1) * half]], fresh[i * half : (i + 1) * half]]),
+          data.values[:STEP_BATCH],
+        )
+        for i in range(STEPS)
+      ]
+
+    peer.wait(peer.step(*step_batches(-1)[0]))  # untimed: compile or trace
+    step_times = []
+    for run in range(repeats):
+      steps = step_batches(run)
+      start = time.perf_counter()
+      for keys, values in steps:
+        out = peer.step(keys, values)
+      peer.wait(out)
+      step_times.append((time.perf_counter() - start) / STEPS * 1e6)
+    _record(result, "step_us", step_times)
 
   if "remove" in peer.supports:
     half_keys = data.keys[: data.n // 2]
     removals = [
       peer.batch(half_keys[i : i + BATCH], data.values[:1])[0] for i in range(0, len(half_keys), BATCH)
     ]
-    peer.remove(peer.batch(data.misses[:BATCH], data.values[:1])[0])  # untimed: absent keys, no change
-    peer.wait()
-    start = time.perf_counter()
-    for keys in removals:
-      peer.remove(keys)
-    peer.wait()
-    result["remove"] = len(half_keys) / (time.perf_counter() - start)
+    remove_times = []
+    for run in range(repeats):
+      if run:  # untimed: the keys back
+        peer.build(data.capacity, data.keys, data.values, BATCH)
+      peer.remove(peer.batch(data.misses[:BATCH], data.values[:1])[0])  # untimed: absent keys, no change
+      peer.wait()
+      start = time.perf_counter()
+      for keys in removals:
+        peer.remove(keys)
+      peer.wait()
+      remove_times.append(time.perf_counter() - start)
+    _record(result, "remove", [len(half_keys) / t for t in remove_times])
   return result
 
 
@@ -175,7 +214,7 @@ def per_call(peer, capacity: int, calls: int = 50) -> dict[str, float]:
       out = peer.find(k)
     peer.wait(out)
 
-  result["find_us"] = _best(finds, 1) / calls * 1e6
+  result["find_us"] = float(np.median(_times(finds, RUNS))) / calls * 1e6
   if "step" in peer.supports:
     half = STEP_BATCH // 2
     new = keys[n:]

@@ -17,17 +17,21 @@ results = {}
 for name in ("jaxres-oa", "dict"):
   peer = peers.make(name, 1)
   results[peer.name] = workloads.measure(peer, data, repeats=1)
-  for metric in ("insert", "find", "remove", "step_us"):
+  for metric in ("insert", "find", "find_1call", "find_us", "remove", "step_us"):
     assert results[peer.name][metric] > 0, (name, metric, results[peer.name])
-  # half of the keys removed, the step's new ids added
-  assert peer.size() == 4096 // 2 + workloads.STEPS * workloads.STEP_BATCH // 2
+  # half of the keys removed, the new ids of the warm-up step and of the timed steps added
+  assert peer.size() == 4096 // 2 + (workloads.STEPS + 1) * workloads.STEP_BATCH // 2
 OA = "jaxres OpenAddressingTable"
-wide = {OA: results[OA], "TF MutableHashTable": results["Python dict"]}  # formatting only
+reference = results["Python dict"] | {"bytes/entry": 48.0}  # formatting only
+wide = {OA: results[OA], "TF MutableHashTable": reference}
 sweep = {1 << 12: {OA: workloads.per_call(peers.make("jaxres-oa", 1), 1 << 12, calls=3)}}
 results["TF MutableHashTable"] = results["Python dict"] | {"bytes/entry": 48.0}
+results["TF DenseHashTable"] = results["Python dict"] | {"bytes/entry": 55.0}
 results["jaxres SortedTable"] = results[OA]
 text = run.report(results, wide, sweep, 4096, "smoke")
-assert "| find | " in text and "2^12" in text, text
+assert "| find, batches of 65,536 | " in text and "2^12" in text, text
+lo, hi = results[OA]["spread"]["step_us"]
+assert lo <= results[OA]["step_us"] <= hi, results[OA]
 print("ok")
 """
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxres._core import native
 from jaxres._core.hashing import hash_words
 
 _FREE = np.int32(np.iinfo(np.int32).max)  # an unclaimed scratch cell
@@ -73,6 +74,13 @@ def owner_per_key(words: jax.Array, mask: jax.Array, last: bool = False) -> jax.
     >>> owner_per_key(words, mask).tolist(), owner_per_key(words, mask, last=True).tolist()
     ([0, 1, 0, 3], [2, 1, 2, 3])
   """
+  n = words.shape[0]
+  results = (jax.ShapeDtypeStruct((n,), jnp.int32),)
+  reference = lambda words, mask: (_owner_per_key(words, mask, last),)
+  return native.on_cpu("jaxres_owner", reference, results, words, mask, last=last)[0]
+
+
+def _owner_per_key(words, mask, last):
   n = words.shape[0]
   size = scratch_size(n)
   order = jnp.arange(n, dtype=jnp.int32)

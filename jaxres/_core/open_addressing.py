@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from jaxres._core import batch as batch_lib
-from jaxres._core import calls, claims, codec, evicting, placing
+from jaxres._core import calls, claims, codec, evicting, native, placing
 from jaxres._core.args import check_int
 from jaxres._core.buckets import Layout
 from jaxres._core.eviction import LRU, Policy, check_policy
@@ -166,6 +166,37 @@ class OpenAddressingTable(Storage):
     return hit, slot, ~hit & (records[:, layout.mask_column + 1] > 0)
 
   def _locate(self, words):
+    """``(hit, slot)`` of each key row: its slot, or for a miss the first slot of its home bucket."""
+    n = words.shape[0]
+    results = (jax.ShapeDtypeStruct((n,), jnp.bool_), jax.ShapeDtypeStruct((n,), jnp.int32))
+    reference = lambda buckets, words: self._follow_chains(words)
+    return native.on_cpu(
+      "jaxres_locate", reference, results, self.buckets, words, bucket_size=self.bucket_size
+    )
+
+  def _lookup_rows(self, words, defaults):
+    """``(values, found)``: one kernel on CPU probes and gathers (prefetching both).
+
+    ``defaults``: leaves ``[n, *shape]`` or ``[*shape]``, or none for ``found`` alone.
+    """
+    n = words.shape[0]
+    values = self.values if defaults else ()
+    results = (
+      jax.ShapeDtypeStruct((n,), jnp.bool_),
+      *(jax.ShapeDtypeStruct((n, *v.shape[1:]), v.dtype) for v in values),
+    )
+
+    def reference(buckets, words, *leaves):
+      values, found = Storage._lookup_rows(self, words, leaves[len(leaves) // 2 :])
+      return found, *values
+
+    found, *out = native.on_cpu(
+      "jaxres_lookup", reference, results, self.buckets, words, *values, *defaults,
+      bucket_size=self.bucket_size,
+    )  # fmt: skip
+    return out, found
+
+  def _follow_chains(self, words):
     n = words.shape[0]
     bucket = self.layout.home(words)
     hit, slot, more = self._probe(words, bucket)
@@ -229,11 +260,9 @@ class OpenAddressingTable(Storage):
         lambda: lax.cond(room > 0, lambda: batch_lib.admit(words, new, room)[0], lambda: new & False),
       )
     index = jnp.arange(words.shape[0], dtype=jnp.int32)
-    flat, slot, first = lax.cond(  # a full table admits nothing: skip the placement rounds
-      jnp.any(admitted),
-      lambda: placing.claim_slots(self.layout, self.buckets.reshape(-1), words, admitted, slot),
-      lambda: (self.buckets.reshape(-1), slot, index),
-    )
+    # No cond around the placement for batches that admit nothing: each branch
+    # would take its own copy of the whole bucket array.
+    flat, slot, first = placing.claim_slots(self.layout, self.buckets.reshape(-1), words, admitted, slot)
     table = dataclasses.replace(
       self,
       buckets=flat.reshape(self.buckets.shape),

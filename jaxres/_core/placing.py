@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxres._core import claims
+from jaxres._core import claims, native
 from jaxres._core.buckets import Layout
 from jaxres._core.hashing import hash_words
 
@@ -40,6 +40,29 @@ def claim_slots(layout: Layout, flat: jax.Array, words: jax.Array, admitted: jax
     keep theirs), and for each admitted row the first row of its key (the
     other rows: their own index).
   """
+  n = words.shape[0]
+  records = flat.reshape(layout.num_buckets, layout.record_width)
+  results = (jax.ShapeDtypeStruct(records.shape, records.dtype), *[jax.ShapeDtypeStruct((n,), jnp.int32)] * 2)
+
+  def reference(records, *rows):
+    flat, slot, first = _claim_slots(layout, records.reshape(-1), *rows)
+    return flat.reshape(records.shape), slot, first
+
+  records, slot, first = native.on_cpu(
+    "jaxres_claim",
+    reference,
+    results,
+    records,
+    words,
+    admitted,
+    slot,
+    aliases={0: 0},
+    bucket_size=layout.bucket_size,
+  )
+  return records.reshape(-1), slot, first
+
+
+def _claim_slots(layout, flat, words, admitted, slot):
   n, size = words.shape[0], layout.bucket_size
   index = jnp.arange(n, dtype=jnp.int32)
   home = layout.home(words)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxres._core import batch as batch_lib
-from jaxres._core import claims, codec
+from jaxres._core import claims, codec, native
 from jaxres._core.eviction import check_policy
 from jaxres._core.pytrees import pytree_dataclass, static_field
 from jaxres._core.rows import select_rows, take_rows
@@ -97,7 +97,13 @@ class SortedTable(Storage):
     return _empty(capacity, self.key_spec, self.value_spec, self.default)
 
   def _search(self, words):
-    """``(present, position)``: lower bound of each key in ``[0, count)``."""
+    """``(present, position)``: lower bound of each key in ``[0, count)`` (a kernel on CPU)."""
+    n = words.shape[0]
+    results = (jax.ShapeDtypeStruct((n,), jnp.bool_), jax.ShapeDtypeStruct((n,), jnp.int32))
+    reference = lambda keys, count, words: self._bisect(words)
+    return native.on_cpu("jaxres_search", reference, results, self.keys, self.count, words)
+
+  def _bisect(self, words):
     last = self.capacity - 1
     low = jnp.zeros(words.shape[0], jnp.int32)
     high = jnp.full(words.shape[0], self.count, jnp.int32)

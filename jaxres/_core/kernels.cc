@@ -1,0 +1,507 @@
+// CPU kernels of the open-addressing table, registered with XLA's FFI.
+//
+// Each kernel computes exactly what its pure-XLA counterpart in the Python
+// package computes (the XLA code is the reference and the GPU/TPU path):
+//
+//   jaxres_locate     OpenAddressingTable._locate     (open_addressing.py)
+//   jaxres_lookup     OpenAddressingTable._lookup_rows (open_addressing.py)
+//   jaxres_search     SortedTable._search              (sorted_table.py)
+//   jaxres_owner      claims.owner_per_key            (claims.py)
+//   jaxres_claim      placing.claim_slots             (placing.py)
+//
+// The XLA versions work in data-parallel rounds; these run the same rounds
+// one row at a time, without the per-op overhead of XLA:CPU, with software
+// prefetching of the bucket records. Single-threaded: results never depend
+// on scheduling.
+
+#include <Python.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// ------------------------------------------------------------- hashing.py
+
+inline uint32_t Rotl(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
+
+inline uint32_t HashWords(const uint32_t* w, int64_t num_words, uint32_t seed) {
+  uint32_t h = seed;
+  for (int64_t j = 0; j < num_words; ++j) {
+    uint32_t k = Rotl(w[j] * 0xCC9E2D51u, 15) * 0x1B873593u;
+    h = Rotl(h ^ k, 13) * 5u + 0xE6546B64u;
+  }
+  h ^= static_cast<uint32_t>(num_words);
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  return h ^ (h >> 16);
+}
+
+inline bool SameWords(const uint32_t* a, const uint32_t* b, int64_t num_words) {
+  for (int64_t j = 0; j < num_words; ++j) {
+    if (a[j] != b[j]) return false;
+  }
+  return true;
+}
+
+// Bit s set where slot s of a record holds `words` (occupied or not): branch
+// free, as the matching slot is unpredictable; unrolled for common shapes.
+template <int kWords, int kSlots>
+inline uint32_t EqualSlots(const uint32_t* record, const uint32_t* words) {
+  uint32_t equal = 0;
+  for (int s = 0; s < kSlots; ++s) {
+    uint32_t same = 1;
+    for (int j = 0; j < kWords; ++j) same &= record[s * kWords + j] == words[j];
+    equal |= same << s;
+  }
+  return equal;
+}
+
+inline int64_t FloorMod(int64_t a, int64_t b) { return ((a % b) + b) % b; }
+
+// --------------------------------------------------------------- buckets.py
+
+// A view of the bucket records: per bucket, the key words of its slots, an
+// occupancy bitmask and an overflow count.
+struct Buckets {
+  uint32_t* records;
+  int64_t num_buckets, bucket_size, num_words;
+
+  int64_t width() const { return bucket_size * num_words + 2; }
+  uint32_t* record(int64_t b) const { return records + b * width(); }
+  uint32_t& mask(int64_t b) const { return record(b)[bucket_size * num_words]; }
+  uint32_t& overflow(int64_t b) const { return record(b)[bucket_size * num_words + 1]; }
+  int64_t home(const uint32_t* words) const {
+    return HashWords(words, num_words, 0) % static_cast<uint32_t>(num_buckets);
+  }
+
+  // Offset of the occupied slot of bucket `b` holding `words`, or -1.
+  int64_t match(int64_t b, const uint32_t* words) const {
+    const uint32_t* r = record(b);
+    uint32_t equal = 0;
+    if (num_words == 2 && bucket_size == 8) {
+      equal = EqualSlots<2, 8>(r, words);
+    } else if (num_words == 1 && bucket_size == 8) {
+      equal = EqualSlots<1, 8>(r, words);
+    } else {
+      for (int64_t s = 0; s < bucket_size; ++s) equal |= uint32_t{SameWords(r + s * num_words, words, num_words)} << s;
+    }
+    equal &= r[bucket_size * num_words];
+    return equal ? __builtin_ctz(equal) : -1;
+  }
+
+  void store(int64_t slot, const uint32_t* words) const {
+    int64_t b = slot / bucket_size, s = slot % bucket_size;
+    std::memcpy(record(b) + s * num_words, words, num_words * sizeof(uint32_t));
+    mask(b) += 1u << s;
+  }
+
+  // A record may straddle two cache lines: fetch both.
+  void prefetch(int64_t b) const {
+    __builtin_prefetch(record(b));
+    __builtin_prefetch(record(b) + width() - 1);
+  }
+};
+
+Buckets View(uint32_t* records, const ffi::Span<const int64_t> dims, int64_t bucket_size) {
+  int64_t width = dims[1];
+  return Buckets{records, dims[0], bucket_size, (width - 2) / bucket_size};
+}
+
+constexpr int64_t kAhead = 32;  // rows whose home bucket is fetched ahead of the probe
+
+// ------------------------------------------------------------ claims.py
+
+// Rows handled per round of a loop that only rare rows enter.
+int64_t ChunkSize(int64_t n) { return std::min(n, std::max<int64_t>(64, n / 8)); }
+
+int BitLength(uint64_t x) { return x ? 64 - __builtin_clzll(x) : 0; }
+
+// Scratch cells for a batch of `n` rows (a power of two).
+int64_t ScratchSize(int64_t n) { return int64_t{1} << std::max(1, BitLength(8 * n - 1)); }
+
+inline int64_t CellOf(int32_t slot, int32_t rounds, int64_t size) {
+  uint32_t mixed = (static_cast<uint32_t>(slot) ^ (static_cast<uint32_t>(rounds) * 0x85EBCA6Bu)) * 0x9E3779B1u;
+  return mixed >> (33 - BitLength(size));
+}
+
+// For rows `0..n-1` writing `cells` where `mask`: the lowest writer of each
+// row's cell (n-1 where none), as claims.lowest_writer.
+void LowestWriter(const std::vector<int64_t>& cells, const std::vector<char>& mask, int64_t size,
+                  std::vector<int32_t>& scratch, std::vector<int32_t>& writer) {
+  int64_t n = cells.size();
+  constexpr int32_t kFree = INT32_MAX;
+  scratch.assign(size, kFree);
+  for (int64_t i = 0; i < n; ++i) {
+    if (mask[i]) scratch[cells[i]] = std::min<int32_t>(scratch[cells[i]], i);
+  }
+  writer.resize(n);
+  for (int64_t i = 0; i < n; ++i) writer[i] = std::min<int32_t>(scratch[cells[i]], n - 1);
+}
+
+// For each masked row, the first (or last) masked row with the same words;
+// unmasked rows get their own index. A hash map from words to rows.
+void OwnerPerKey(const uint32_t* words, int64_t n, int64_t num_words, const bool* mask, bool last,
+                 int32_t* owner) {
+  int64_t size = int64_t{1} << std::max(1, BitLength(2 * n));
+  std::vector<int32_t> map(size, -1);
+  for (int64_t k = 0; k < n; ++k) {
+    int64_t i = last ? n - 1 - k : k;
+    owner[i] = i;
+    if (!mask[i]) continue;
+    const uint32_t* w = words + i * num_words;
+    for (int64_t c = HashWords(w, num_words, 0x0C1A) & (size - 1);; c = (c + 1) & (size - 1)) {
+      if (map[c] < 0) {
+        map[c] = i;
+        break;
+      }
+      if (SameWords(words + map[c] * num_words, w, num_words)) {
+        owner[i] = map[c];
+        break;
+      }
+    }
+  }
+}
+
+// -------------------------------------------------------- probes and rows
+
+// OpenAddressingTable._locate: whether each of the `n` key rows is present,
+// and its slot (for a miss, the first slot of its home bucket).
+void LocateRows(const Buckets& t, const uint32_t* w, int64_t n, bool* hit, int32_t* out) {
+  std::vector<int64_t> home(n);
+  for (int64_t i = 0; i < n; ++i) home[i] = t.home(w + i * t.num_words);
+  for (int64_t i = 0; i < std::min(n, kAhead); ++i) t.prefetch(home[i]);
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) t.prefetch(home[i + kAhead]);
+    const uint32_t* key = w + i * t.num_words;
+    int64_t b = home[i];
+    int64_t s = t.match(b, key);
+    // A miss reports the first slot of its home bucket, as the XLA probe does.
+    out[i] = static_cast<int32_t>(b * t.bucket_size + std::max<int64_t>(s, 0));
+    for (int64_t step = 1; s < 0 && t.overflow(b) > 0 && step <= t.num_buckets; ++step) {
+      b = (b + 1) % t.num_buckets;
+      s = t.match(b, key);
+      if (s >= 0) out[i] = static_cast<int32_t>(b * t.bucket_size + s);
+    }
+    hit[i] = s >= 0;
+  }
+}
+
+// Bytes of one row (the leading axis) of `buffer`.
+int64_t RowBytes(const ffi::AnyBuffer& buffer) {
+  auto dims = buffer.dimensions();
+  int64_t bytes = ffi::ByteWidth(buffer.element_type());
+  for (size_t d = 1; d < dims.size(); ++d) bytes *= dims[d];
+  return bytes;
+}
+
+inline void CopyRow(char* to, const char* from, int64_t bytes) {
+  switch (bytes) {  // the common widths as single moves
+    case 4:
+      std::memcpy(to, from, 4);
+      break;
+    case 8:
+      std::memcpy(to, from, 8);
+      break;
+    default:
+      std::memcpy(to, from, bytes);
+  }
+}
+
+inline void PrefetchRow(const char* row, int64_t bytes) {
+  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(row + at);
+  __builtin_prefetch(row + bytes - 1);
+}
+
+// ------------------------------------------------------------------ kernels
+
+ffi::Error Locate(ffi::Buffer<ffi::U32> records, ffi::Buffer<ffi::U32> words, ffi::ResultBuffer<ffi::PRED> found,
+                  ffi::ResultBuffer<ffi::S32> slot, int64_t bucket_size) {
+  Buckets t = View(records.typed_data(), records.dimensions(), bucket_size);
+  LocateRows(t, words.typed_data(), words.dimensions()[0], found->typed_data(), slot->typed_data());
+  return ffi::Error::Success();
+}
+
+// Arguments after `words`: the value leaves [slots, ...], then as many
+// default leaves, [n, ...] or one row for all; results after `found`: the
+// values [n, ...], each row its slot's value where found, else its default.
+ffi::Error Lookup(ffi::Buffer<ffi::U32> records, ffi::Buffer<ffi::U32> words, ffi::RemainingArgs leaves,
+                  ffi::ResultBuffer<ffi::PRED> found, ffi::RemainingRets outputs, int64_t bucket_size) {
+  Buckets t = View(records.typed_data(), records.dimensions(), bucket_size);
+  const int64_t n = words.dimensions()[0], num_leaves = outputs.size();
+  if (leaves.size() != static_cast<size_t>(2 * num_leaves)) {
+    return ffi::Error::InvalidArgument("jaxres_lookup: expected a default leaf per value leaf");
+  }
+  bool* hit = found->typed_data();
+  std::vector<int32_t> slot(n);
+  LocateRows(t, words.typed_data(), n, hit, slot.data());
+  for (int64_t l = 0; l < num_leaves; ++l) {
+    auto values = leaves.get<ffi::AnyBuffer>(l), defaults = leaves.get<ffi::AnyBuffer>(num_leaves + l);
+    auto out = outputs.get<ffi::AnyBuffer>(l);
+    if (!values || !defaults || !out) return ffi::Error::InvalidArgument("jaxres_lookup: bad leaf");
+    const int64_t bytes = RowBytes(*values);
+    const char* from = static_cast<const char*>(values->untyped_data());
+    const char* fallback = static_cast<const char*>(defaults->untyped_data());
+    const int64_t fallback_step = defaults->size_bytes() == static_cast<size_t>(n * bytes) ? bytes : 0;
+    char* to = static_cast<char*>((*out)->untyped_data());
+    for (int64_t i = 0; i < std::min(n, kAhead); ++i) PrefetchRow(from + slot[i] * bytes, bytes);
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + kAhead < n && hit[i + kAhead]) PrefetchRow(from + slot[i + kAhead] * bytes, bytes);
+      CopyRow(to + i * bytes, hit[i] ? from + slot[i] * bytes : fallback + i * fallback_step, bytes);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// SortedTable._search: each key's lower bound in the sorted rows
+// [0, count), and whether the key is there. Branch-free halving whose steps
+// depend on `count` only, so a group of keys descends in lockstep and the
+// next row of each is prefetched while the others compare.
+ffi::Error Search(ffi::Buffer<ffi::U32> sorted, ffi::Buffer<ffi::S32> count_in, ffi::Buffer<ffi::U32> words,
+                  ffi::ResultBuffer<ffi::PRED> present, ffi::ResultBuffer<ffi::S32> position) {
+  constexpr int64_t kGroup = 64;
+  const int64_t W = sorted.dimensions()[1], n = words.dimensions()[0];
+  const int64_t count = std::clamp<int64_t>(count_in.typed_data()[0], 0, sorted.dimensions()[0]);
+  const uint32_t* keys = sorted.typed_data();
+  const uint32_t* w = words.typed_data();
+  auto less = [&](int64_t row, const uint32_t* key) {  // keys[row] < key, branch free
+    const uint32_t* a = keys + row * W;
+    bool lt = false, eq = true;
+    for (int64_t j = 0; j < W; ++j) {
+      lt |= eq & (a[j] < key[j]);
+      eq &= a[j] == key[j];
+    }
+    return lt;
+  };
+  for (int64_t start = 0; start < n; start += kGroup) {
+    const int64_t m = std::min(kGroup, n - start);
+    int64_t base[kGroup] = {};
+    for (int64_t left = count; left > 1; left -= left / 2) {
+      const int64_t half = left / 2, next_half = (left - half) / 2;
+      for (int64_t g = 0; g < m; ++g) {
+        base[g] += less(base[g] + half, w + (start + g) * W) ? half : 0;
+        __builtin_prefetch(keys + (base[g] + next_half) * W);
+      }
+    }
+    for (int64_t g = 0; g < m; ++g) {
+      const int64_t i = start + g;
+      const int64_t low = count > 0 && less(base[g], w + i * W) ? base[g] + 1 : base[g];
+      position->typed_data()[i] = static_cast<int32_t>(low);
+      present->typed_data()[i] = low < count && SameWords(keys + low * W, w + i * W, W);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Owner(ffi::Buffer<ffi::U32> words, ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::S32> owner,
+                 bool last) {
+  int64_t n = words.dimensions()[0], num_words = words.dimensions()[1];
+  OwnerPerKey(words.typed_data(), n, num_words, mask.typed_data(), last, owner->typed_data());
+  return ffi::Error::Success();
+}
+
+// placing.claim_slots, round for round.
+ffi::Error Claim(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> words_in, ffi::Buffer<ffi::PRED> admitted,
+                 ffi::Buffer<ffi::S32> slot_in, ffi::ResultBuffer<ffi::U32> records_out,
+                 ffi::ResultBuffer<ffi::S32> slot_out, ffi::ResultBuffer<ffi::S32> first_out,
+                 int64_t bucket_size) {
+  uint32_t* records = records_out->typed_data();
+  if (records != records_in.typed_data()) {
+    std::memcpy(records, records_in.typed_data(), records_in.size_bytes());
+  }
+  Buckets t = View(records, records_in.dimensions(), bucket_size);
+  const int64_t n = words_in.dimensions()[0], W = t.num_words, size = bucket_size;
+  const uint32_t* words = words_in.typed_data();
+  int32_t* slot = slot_out->typed_data();
+  int32_t* first = first_out->typed_data();
+  std::memcpy(slot, slot_in.typed_data(), n * sizeof(int32_t));
+  std::vector<int64_t> home(n), bucket(n);
+  std::vector<uint32_t> lane(n);
+  std::vector<char> pending(n);
+  for (int64_t i = 0; i < n; ++i) {
+    home[i] = bucket[i] = t.home(words + i * W);
+    lane[i] = (HashWords(words + i * W, W, 1) * 0x9E3779B1u) >> 16;
+    first[i] = static_cast<int32_t>(i);
+    pending[i] = admitted.typed_data()[i];
+  }
+  std::vector<int64_t> rows, cells, live;
+  std::vector<int32_t> candidate, scratch, writer;
+  std::vector<char> active, trying, full, placed;
+  std::vector<int32_t> placed_slot;
+  bool any_pending = n > 0;
+  for (int32_t rounds = 0; any_pending; ++rounds) {
+    const bool later = rounds > 0;
+    // The rows of this round: all of them first, then up to a chunk of the
+    // pending ones, lowest index first (claims.pending_rows).
+    rows.clear();
+    if (!later) {
+      for (int64_t i = 0; i < n; ++i) rows.push_back(i);
+    } else {
+      int64_t chunk = ChunkSize(n);
+      for (int64_t i = 0; i < n && static_cast<int64_t>(rows.size()) < chunk; ++i) {
+        if (pending[i]) rows.push_back(i);
+      }
+      while (static_cast<int64_t>(rows.size()) < chunk) rows.push_back(-1);  // padding: inactive
+    }
+    const int64_t m = rows.size();
+    active.assign(m, 0);
+    trying.assign(m, 0);
+    full.assign(m, 0);
+    placed.assign(m, 0);
+    placed_slot.assign(m, 0);
+    candidate.assign(m, 0);
+    // Every row reads the records as they were before this round's stores.
+    live.clear();  // the positions of the pending rows
+    for (int64_t p = 0; p < m; ++p) {
+      if (rows[p] >= 0 && pending[rows[p]]) live.push_back(p);
+    }
+    const int64_t num_live = live.size();
+    for (int64_t k = 0; k < std::min(num_live, kAhead); ++k) t.prefetch(bucket[rows[live[k]]]);
+    for (int64_t k = 0; k < num_live; ++k) {
+      if (k + kAhead < num_live) t.prefetch(bucket[rows[live[k + kAhead]]]);
+      const int64_t p = live[k], i = rows[p], current = bucket[i];
+      active[p] = 1;
+      if (later) {
+        int64_t s = t.match(current, words + i * W);
+        if (s >= 0) {
+          placed[p] = 1;
+          placed_slot[p] = static_cast<int32_t>(current * size + s);
+          active[p] = 0;
+        }
+      }
+      const uint32_t masks = t.mask(current);
+      const int64_t num_free = size - __builtin_popcount(masks);
+      full[p] = num_free == 0;
+      const int64_t choice = lane[i] % static_cast<uint32_t>(std::max<int64_t>(num_free, 1));
+      int64_t offset = 0;  // the (choice+1)-th free slot, or slot 0 of a full bucket
+      for (int64_t s = 0, seen = 0; s < size; ++s) {
+        if (!((masks >> s) & 1u) && seen++ == choice) {
+          offset = s;
+          break;
+        }
+      }
+      candidate[p] = static_cast<int32_t>(current * size + offset);
+      trying[p] = active[p] && !full[p];
+    }
+    cells.assign(m, 0);
+    const int64_t scratch_size = ScratchSize(m);
+    for (int64_t p = 0; p < m; ++p) cells[p] = CellOf(candidate[p], rounds, scratch_size);
+    LowestWriter(cells, trying, scratch_size, scratch, writer);
+    for (int64_t p = 0; p < m; ++p) {
+      int64_t i = rows[p];
+      if (i < 0) continue;
+      int64_t win = writer[p];
+      bool same_slot = trying[p] && candidate[win] == candidate[p];
+      bool won = same_slot && win == p;
+      const uint32_t* row_words = words + i * W;
+      int64_t winner_row = rows[win] < 0 ? n - 1 : rows[win];
+      bool same_key = same_slot && !won && SameWords(words + winner_row * W, row_words, W);
+      if (won) t.store(candidate[p], row_words);
+      if (active[p] && full[p]) bucket[i] = (bucket[i] + 1) % t.num_buckets;
+      if (placed[p]) {
+        slot[i] = placed_slot[p];
+        first[i] = -1;  // placed by an equal key whose row is not known here (resolved below)
+      } else {
+        if (won || same_key) slot[i] = candidate[p];
+        if (same_key) first[i] = static_cast<int32_t>(winner_row);
+      }
+      pending[i] = active[p] && !won && !same_key;
+    }
+    any_pending = std::any_of(pending.begin(), pending.end(), [](char c) { return c != 0; });
+  }
+  // Rare: equal keys split over chunks. Each key's first row is then its slot's lowest row.
+  if (std::any_of(first, first + n, [](int32_t f) { return f < 0; })) {
+    std::vector<uint32_t> slot_words(slot, slot + n);
+    OwnerPerKey(slot_words.data(), n, 1, admitted.typed_data(), false, first);
+  }
+  // Raise the overflow count of every bucket a newly placed key probed past.
+  for (int64_t i = 0; i < n; ++i) {
+    if (!admitted.typed_data()[i] || first[i] != i) continue;
+    int64_t distance = FloorMod(slot[i] / size - home[i], t.num_buckets);
+    for (int64_t r = 0; r < distance; ++r) t.overflow((home[i] + r) % t.num_buckets) += 1u;
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresLocate, Locate,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("bucket_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresLookup, Lookup,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::PRED>>()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("bucket_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresSearch, Search,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresOwner, Owner,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<bool>("last"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresClaim, Claim,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("bucket_size"));
+
+// ------------------------------------------------------------ Python module
+
+namespace {
+
+PyObject* Targets(PyObject*, PyObject*) {
+  PyObject* targets = PyDict_New();
+  auto add = [&](const char* name, XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) {
+    PyObject* capsule = PyCapsule_New(reinterpret_cast<void*>(fn), nullptr, nullptr);
+    PyDict_SetItemString(targets, name, capsule);
+    Py_DECREF(capsule);
+  };
+  add("jaxres_locate", JaxresLocate);
+  add("jaxres_lookup", JaxresLookup);
+  add("jaxres_search", JaxresSearch);
+  add("jaxres_owner", JaxresOwner);
+  add("jaxres_claim", JaxresClaim);
+  return targets;
+}
+
+PyMethodDef kMethods[] = {
+    {"targets", Targets, METH_NOARGS, "The FFI handlers of this module, by target name, as capsules."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_kernels", "CPU kernels of jaxres tables (XLA FFI).", -1, kMethods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&kModule); }

@@ -1,0 +1,245 @@
+"""The CPU kernels (``jaxres/_core/kernels.cc``) give exactly what their XLA references give.
+
+Each kernel is compared bit for bit with its reference on tables grown by random
+operations (hypothesis), and whole runs with the kernels off (``JAXRES_KERNELS=0``,
+in a subprocess) leave the same tables and results as runs with them on. The
+oracle and hypothesis suites run with the kernels on (the default on CPU) and,
+in ``test_oracle_suites_pass_on_the_xla_reference``, with them off.
+"""
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxres as jr
+from jaxres._core import claims, native, placing
+from jaxres._core.storage import Storage
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = {1: jnp.uint32, 2: jax.ShapeDtypeStruct((2,), jnp.int32), 3: jax.ShapeDtypeStruct((3,), jnp.uint32)}
+
+
+def test_the_kernels_are_built_and_on():
+  assert native.BUILT, "pip install did not compile jaxres/_core/kernels.cc (is a C++ compiler installed?)"
+  assert native.ENABLED == (os.environ.get("JAXRES_KERNELS", "1") != "0")
+
+
+@functools.partial(jax.jit, static_argnames="reference")
+def _locate(table, words, reference):
+  return table._follow_chains(words) if reference else table._locate(words)
+
+
+@functools.partial(jax.jit, static_argnames=("reference", "last"))
+def _owner(words, mask, reference, last):
+  return claims._owner_per_key(words, mask, last) if reference else claims.owner_per_key(words, mask, last)
+
+
+@functools.partial(jax.jit, static_argnames="reference")
+def _claim(table, words, admitted, slot, reference):
+  claim = placing._claim_slots if reference else placing.claim_slots
+  return claim(table.layout, table.buckets.reshape(-1), words, admitted, slot)
+
+
+def _grown_table(num_words, bucket_size, capacity, seed):
+  """A table after random inserts and removes, with keys from a small pool (long probe chains)."""
+  rng = np.random.default_rng(seed)
+  table = jr.OpenAddressingTable.create(
+    capacity, key=KEYS[num_words], value=jnp.float32, bucket_size=bucket_size
+  )
+  pool = rng.integers(0, 2**32, (3 * capacity, num_words), dtype=np.uint32)
+  for _ in range(4):
+    keys = pool[rng.integers(0, len(pool), 16)]
+    table = _insert_words(table, jnp.asarray(keys))
+    table = _remove_words(table, jnp.asarray(pool[rng.integers(0, len(pool), 6)]))
+  return table, pool
+
+
+@jax.jit
+def _insert_words(table, words):
+  leaves = [jnp.zeros(words.shape[0], jnp.float32)]
+  return table._upsert_rows(words, leaves, None, "insert")[0]
+
+
+@jax.jit
+def _remove_words(table, words):
+  return table._remove_rows(words, None)
+
+
+def _assert_same(kernel, reference):
+  for a, b in zip(jax.tree.leaves(kernel), jax.tree.leaves(reference)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.skipif(not native.ENABLED, reason="kernels off")
+@settings(max_examples=25, deadline=None)
+@given(
+  num_words=st.sampled_from([1, 2, 3]),
+  bucket_size=st.sampled_from([1, 2, 8]),
+  seed=st.integers(0, 2**16),
+)
+def test_kernels_equal_their_references(num_words, bucket_size, seed):
+  table, pool = _grown_table(num_words, bucket_size, capacity=64, seed=seed)
+  rng = np.random.default_rng(seed + 1)
+  # A batch of 96 rows: present keys, absent ones and repeats.
+  words = jnp.asarray(pool[rng.integers(0, len(pool), 96)])
+  _assert_same(_locate(table, words, False), _locate(table, words, True))
+
+  mask = jnp.asarray(rng.random(96) < 0.9)
+  for last in (False, True):
+    _assert_same(_owner(words, mask, False, last), _owner(words, mask, True, last))
+
+  # Place the absent keys, as an upsert that fits admits them (repeats included).
+  found, slot = _locate(table, words, True)
+  room = table.capacity - int(table.size)
+  admitted = ~found & mask & (jnp.cumsum(~found & mask) <= room)
+  _assert_same(_claim(table, words, admitted, slot, False), _claim(table, words, admitted, slot, True))
+
+
+@functools.partial(jax.jit, static_argnames="reference")
+def _lookup(table, words, defaults, reference):
+  return Storage._lookup_rows(table, words, defaults) if reference else table._lookup_rows(words, defaults)
+
+
+@functools.partial(jax.jit, static_argnames="reference")
+def _search(table, words, reference):
+  return table._bisect(words) if reference else table._search(words)
+
+
+VALUE = {"row": jax.ShapeDtypeStruct((5,), jnp.float32), "id": jnp.int32, "half": jnp.float16}
+
+
+@pytest.mark.skipif(not native.ENABLED, reason="kernels off")
+@settings(max_examples=20, deadline=None)
+@given(
+  num_words=st.sampled_from([1, 2, 3]), bucket_size=st.sampled_from([1, 4, 8]), seed=st.integers(0, 2**16)
+)
+def test_lookup_kernel_equals_its_reference(num_words, bucket_size, seed):
+  """Values of three dtypes and widths; per-row defaults, one default for all, and none (contains)."""
+  rng = np.random.default_rng(seed)
+  table = jr.OpenAddressingTable.create(
+    48,
+    key=KEYS[num_words],
+    value=VALUE,
+    default={"row": -1.0, "id": -2, "half": 0.5},
+    bucket_size=bucket_size,
+  )
+  pool = rng.integers(0, 2**32, (120, num_words), dtype=np.uint32)
+  for _ in range(3):
+    keys = pool[rng.integers(0, len(pool), 24)]
+    values = [(rng.random((24, *d.shape)) * 20 - 10).astype(d.dtype) for d in table.default]
+    table = table._upsert_rows(jnp.asarray(keys), [jnp.asarray(v) for v in values], None, "insert")[0]
+    table = table._remove_rows(jnp.asarray(pool[rng.integers(0, len(pool), 8)]), None)
+  words = jnp.asarray(pool[rng.integers(0, len(pool), 80)])
+  per_row = [jnp.asarray((rng.random((80, *d.shape)) * 20 - 10).astype(d.dtype)) for d in table.default]
+  for defaults in (per_row, list(table.default), []):
+    kernel, reference = _lookup(table, words, defaults, False), _lookup(table, words, defaults, True)
+    _assert_same(kernel, reference)
+  assert 0 < int(np.sum(reference[1])) < 80  # hits and misses
+
+
+@pytest.mark.skipif(not native.ENABLED, reason="kernels off")
+@settings(max_examples=20, deadline=None)
+@given(num_words=st.sampled_from([1, 2, 3]), capacity=st.integers(1, 70), seed=st.integers(0, 2**16))
+def test_search_kernel_equals_its_reference(num_words, capacity, seed):
+  """Lower bounds in sorted tables of every fill (empty, partly full, full, with tombstones)."""
+  rng = np.random.default_rng(seed)
+  table = jr.SortedTable.create(capacity, key=KEYS[num_words], value=jnp.float32)
+  pool = rng.integers(0, 4, (2 * capacity + 4, num_words), dtype=np.uint32) * (2**30)  # ties in leading words
+  pool[:, -1] = rng.integers(0, 2**32, len(pool), dtype=np.uint32)
+  words = jnp.asarray(np.concatenate([pool, rng.integers(0, 2**32, (9, num_words), dtype=np.uint32)]))
+  _assert_same(_search(table, words, False), _search(table, words, True))
+  for _ in range(rng.integers(1, 4)):
+    keys = jnp.asarray(pool[rng.integers(0, len(pool), capacity)])
+    table = table._upsert_rows(keys, [jnp.zeros(capacity, jnp.float32)], None, "insert")[0]
+    table = table._remove_rows(jnp.asarray(pool[rng.integers(0, len(pool), 3)]), None)
+    _assert_same(_search(table, words, False), _search(table, words, True))
+
+
+@pytest.mark.skipif(not native.ENABLED, reason="kernels off")
+@pytest.mark.parametrize(("num_words", "bucket_size"), [(1, 8), (2, 8), (2, 2)])
+def test_large_batches_with_lost_claims_equal_the_reference(num_words, bucket_size):
+  """2048 new keys at once: many lose their claim to another slot in the same scratch cell
+  and retry in later rounds, some move on from full buckets; repeats meet on one slot."""
+  rng = np.random.default_rng(num_words * 10 + bucket_size)
+  table = jr.OpenAddressingTable.create(4096, key=KEYS[num_words], value=jnp.float32, bucket_size=bucket_size)
+  table = _insert_words(table, jnp.asarray(rng.integers(0, 2**32, (1536, num_words), dtype=np.uint32)))
+  words = rng.integers(0, 2**32, (2048, num_words), dtype=np.uint32)
+  words[1::7] = words[::7][: len(words[1::7])]  # repeats
+  words = jnp.asarray(words)
+  found, slot = _locate(table, words, True)
+  admitted = ~found
+  _assert_same(_claim(table, words, admitted, slot, False), _claim(table, words, admitted, slot, True))
+  for last in (False, True):
+    _assert_same(_owner(words, admitted, False, last), _owner(words, admitted, True, last))
+
+
+_RUN = """
+import sys, numpy as np, jax, jax.numpy as jnp
+import jaxres as jr
+rng = np.random.default_rng(7)
+out = {}
+pair = jax.ShapeDtypeStruct((2,), jnp.uint32)
+runs = [("i32", jnp.int32, (700,), 8), ("pair", pair, (700, 2), 4), ("sorted", pair, (700, 2), None)]
+for name, key, shape, bucket_size in runs:
+  value = jax.ShapeDtypeStruct((3,), jnp.float32)
+  if bucket_size is None:
+    t = jr.SortedTable.create(300, key=key, value=value)
+  else:
+    t = jr.OpenAddressingTable.create(300, key=key, value=value, bucket_size=bucket_size)
+  pool = rng.integers(0, 2**31 - 1, shape).astype(np.int32 if name == "i32" else np.uint32)
+  for step in range(12):
+    k = pool[rng.integers(0, 700, 64)]
+    v = rng.random((64, 3), dtype=np.float32)
+    t, got = t.find_or_insert(k, v)
+    out[f"{name}/foi{step}"] = np.asarray(got)
+    t = t.insert(pool[rng.integers(0, 700, 32)], rng.random((32, 3), dtype=np.float32))
+    t = t.remove(pool[rng.integers(0, 700, 24)])
+    t = t.assign(pool[rng.integers(0, 700, 16)], rng.random((16, 3), dtype=np.float32))
+  for i, leaf in enumerate(jax.tree.leaves(t)):
+    out[f"{name}/leaf{i}"] = np.asarray(leaf)
+  out[f"{name}/counts"] = np.array([int(t.size), int(t.dropped)])
+  out[f"{name}/find"] = np.asarray(t.find(pool))
+  out[f"{name}/contains"] = np.asarray(t.contains(pool))
+np.savez(sys.argv[1], **out)
+"""
+
+
+def _run(tmp_path, kernels: str):
+  path = tmp_path / f"run{kernels}.npz"
+  env = {**os.environ, "JAXRES_KERNELS": kernels, "JAX_PLATFORMS": "cpu"}
+  subprocess.run([sys.executable, "-c", _RUN, str(path)], check=True, env=env, cwd=ROOT, timeout=600)
+  return dict(np.load(path))
+
+
+def test_kernels_on_and_off_leave_identical_tables(tmp_path):
+  on, off = _run(tmp_path, "1"), _run(tmp_path, "0")
+  assert on.keys() == off.keys()
+  for name in on:
+    np.testing.assert_array_equal(on[name], off[name], err_msg=name)
+  assert on["i32/counts"][0] > 250  # the tables filled up: dropped keys and full buckets were exercised
+  assert on["i32/counts"][1] > 0
+
+
+@pytest.mark.slow
+def test_oracle_suites_pass_on_the_xla_reference():
+  """The dict-oracle and hypothesis suites of the tables, with the kernels off."""
+  env = {**os.environ, "JAXRES_KERNELS": "0"}
+  modules = ["tests/test_table.py", "tests/test_stateful.py", "tests/test_transforms.py"]
+  result = subprocess.run(
+    [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *modules],
+    env=env,
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=1200,
+  )
+  assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
