@@ -32,7 +32,9 @@ def _create(policy, capacity=CAPACITY, sharded=False):
     return jr.ShardedTable.create(
       mesh_of(4), "shard", capacity, key=jnp.int64, value=jnp.int32, default=-1, eviction=policy
     )
-  return jr.OpenAddressingTable.create(capacity, key=jnp.int64, value=jnp.int32, default=-1, eviction=policy)
+  return jr.OpenAddressingTable.create(
+    capacity, key=jnp.int64, value=jnp.int32, default=-1, eviction=policy, bucket_size=8
+  )
 
 
 def _entries(table) -> dict:

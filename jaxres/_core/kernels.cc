@@ -65,7 +65,29 @@ inline uint32_t EqualSlots(const uint32_t* record, const uint32_t* words) {
   return equal;
 }
 
-inline int64_t FloorMod(int64_t a, int64_t b) { return ((a % b) + b) % b; }
+// Exact `a % d` and `a / d` of 32-bit `a` by a divisor fixed per call,
+// without a division instruction (Lemire, Kaser and Kurz, "Faster remainder by
+// direct computation", 2019).
+struct Divisor {
+  uint64_t m;
+  uint32_t d;
+  Divisor() : Divisor(1) {}
+  explicit Divisor(uint32_t d) : m(~uint64_t{0} / d + 1), d(d) {}
+  uint32_t mod(uint32_t a) const { return static_cast<uint32_t>((static_cast<unsigned __int128>(m * a) * d) >> 64); }
+  uint32_t div(uint32_t a) const {
+    return d == 1 ? a : static_cast<uint32_t>((static_cast<unsigned __int128>(m) * a) >> 64);
+  }
+};
+
+// Divisors 1..32: the numbers of free slots a bucket can have.
+const Divisor* SmallDivisors() {
+  static const auto* table = [] {
+    auto* t = new Divisor[33];
+    for (uint32_t d = 1; d <= 32; ++d) t[d] = Divisor(d);
+    return t;
+  }();
+  return table;
+}
 
 // --------------------------------------------------------------- buckets.py
 
@@ -74,20 +96,25 @@ inline int64_t FloorMod(int64_t a, int64_t b) { return ((a % b) + b) % b; }
 struct Buckets {
   uint32_t* records;
   int64_t num_buckets, bucket_size, num_words;
+  Divisor by_buckets, by_size;
 
   int64_t width() const { return bucket_size * num_words + 2; }
   uint32_t* record(int64_t b) const { return records + b * width(); }
   uint32_t& mask(int64_t b) const { return record(b)[bucket_size * num_words]; }
   uint32_t& overflow(int64_t b) const { return record(b)[bucket_size * num_words + 1]; }
   int64_t home(const uint32_t* words) const {
-    return HashWords(words, num_words, 0) % static_cast<uint32_t>(num_buckets);
+    return by_buckets.mod(HashWords(words, num_words, 0));
   }
 
   // Offset of the occupied slot of bucket `b` holding `words`, or -1.
   int64_t match(int64_t b, const uint32_t* words) const {
     const uint32_t* r = record(b);
     uint32_t equal = 0;
-    if (num_words == 2 && bucket_size == 8) {
+    if (num_words == 2 && bucket_size == 7) {  // the default shapes: one cache line per record
+      equal = EqualSlots<2, 7>(r, words);
+    } else if (num_words == 1 && bucket_size == 14) {
+      equal = EqualSlots<1, 14>(r, words);
+    } else if (num_words == 2 && bucket_size == 8) {
       equal = EqualSlots<2, 8>(r, words);
     } else if (num_words == 1 && bucket_size == 8) {
       equal = EqualSlots<1, 8>(r, words);
@@ -99,21 +126,27 @@ struct Buckets {
   }
 
   void store(int64_t slot, const uint32_t* words) const {
-    int64_t b = slot / bucket_size, s = slot % bucket_size;
+    int64_t b = by_size.div(slot), s = slot - b * bucket_size;
     std::memcpy(record(b) + s * num_words, words, num_words * sizeof(uint32_t));
     mask(b) += 1u << s;
   }
 
-  // A record may straddle two cache lines: fetch both.
+  int64_t next(int64_t b) const { return b + 1 == num_buckets ? 0 : b + 1; }
+  // Buckets from `home` forward to `b` (wrapping).
+  int64_t distance(int64_t home, int64_t b) const { return b >= home ? b - home : b - home + num_buckets; }
+
+  // The cache lines of a record (two where it straddles a line boundary).
   void prefetch(int64_t b) const {
-    __builtin_prefetch(record(b));
-    __builtin_prefetch(record(b) + width() - 1);
+    const uint32_t* first = record(b);
+    const uint32_t* last = first + width() - 1;
+    __builtin_prefetch(first);
+    if ((reinterpret_cast<uintptr_t>(first) ^ reinterpret_cast<uintptr_t>(last)) >> 6) __builtin_prefetch(last);
   }
 };
 
 Buckets View(uint32_t* records, const ffi::Span<const int64_t> dims, int64_t bucket_size) {
   int64_t width = dims[1];
-  return Buckets{records, dims[0], bucket_size, (width - 2) / bucket_size};
+  return Buckets{records, dims[0], bucket_size, (width - 2) / bucket_size, Divisor(dims[0]), Divisor(bucket_size)};
 }
 
 constexpr int64_t kAhead = 32;  // rows whose home bucket is fetched ahead of the probe
@@ -187,7 +220,7 @@ void LocateRows(const Buckets& t, const uint32_t* w, int64_t n, bool* hit, int32
     // A miss reports the first slot of its home bucket, as the XLA probe does.
     out[i] = static_cast<int32_t>(b * t.bucket_size + std::max<int64_t>(s, 0));
     for (int64_t step = 1; s < 0 && t.overflow(b) > 0 && step <= t.num_buckets; ++step) {
-      b = (b + 1) % t.num_buckets;
+      b = t.next(b);
       s = t.match(b, key);
       if (s >= 0) out[i] = static_cast<int32_t>(b * t.bucket_size + s);
     }
@@ -380,7 +413,7 @@ ffi::Error Claim(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> words_i
       const uint32_t masks = t.mask(current);
       const int64_t num_free = size - __builtin_popcount(masks);
       full[p] = num_free == 0;
-      const int64_t choice = lane[i] % static_cast<uint32_t>(std::max<int64_t>(num_free, 1));
+      const int64_t choice = SmallDivisors()[std::max<int64_t>(num_free, 1)].mod(lane[i]);
       int64_t offset = 0;  // the (choice+1)-th free slot, or slot 0 of a full bucket
       for (int64_t s = 0, seen = 0; s < size; ++s) {
         if (!((masks >> s) & 1u) && seen++ == choice) {
@@ -405,7 +438,7 @@ ffi::Error Claim(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> words_i
       int64_t winner_row = rows[win] < 0 ? n - 1 : rows[win];
       bool same_key = same_slot && !won && SameWords(words + winner_row * W, row_words, W);
       if (won) t.store(candidate[p], row_words);
-      if (active[p] && full[p]) bucket[i] = (bucket[i] + 1) % t.num_buckets;
+      if (active[p] && full[p]) bucket[i] = t.next(bucket[i]);
       if (placed[p]) {
         slot[i] = placed_slot[p];
         first[i] = -1;  // placed by an equal key whose row is not known here (resolved below)
@@ -425,8 +458,8 @@ ffi::Error Claim(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> words_i
   // Raise the overflow count of every bucket a newly placed key probed past.
   for (int64_t i = 0; i < n; ++i) {
     if (!admitted.typed_data()[i] || first[i] != i) continue;
-    int64_t distance = FloorMod(slot[i] / size - home[i], t.num_buckets);
-    for (int64_t r = 0; r < distance; ++r) t.overflow((home[i] + r) % t.num_buckets) += 1u;
+    const int64_t distance = t.distance(home[i], t.by_size.div(slot[i]));
+    for (int64_t r = 0, b = home[i]; r < distance; ++r, b = t.next(b)) t.overflow(b) += 1u;
   }
   return ffi::Error::Success();
 }

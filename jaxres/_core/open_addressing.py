@@ -38,6 +38,7 @@ from jaxres._core.table import check_capacity
 from jaxres._core.values import ValueSpec
 
 _MAX_LOAD = 0.5  # live entries per slot at full capacity: short probe chains, ~26 B/entry
+_LINE_WORDS = 16  # uint32 words per 64-byte cache line
 
 
 @pytree_dataclass
@@ -73,7 +74,14 @@ class OpenAddressingTable(Storage):
 
   @classmethod
   def create(
-    cls, capacity: int, key, value, default=0, *, bucket_size: int = 8, eviction: Policy | None = None
+    cls,
+    capacity: int,
+    key,
+    value,
+    default=0,
+    *,
+    bucket_size: int | None = None,
+    eviction: Policy | None = None,
   ) -> OpenAddressingTable:
     """An empty table guaranteed to hold ``capacity`` live entries.
 
@@ -85,7 +93,9 @@ class OpenAddressingTable(Storage):
       value: a dtype, a ``jax.ShapeDtypeStruct``, or a pytree of them.
       default: value returned for missing keys; a matching pytree, scalars
         broadcast.
-      bucket_size: slots per bucket, fetched by one gather (1 to 32).
+      bucket_size: slots per bucket, fetched by one gather (1 to 32); by
+        default as many as fill one 64-byte cache line with the bucket's
+        record (14 for 32-bit keys, 7 for 64-bit ones).
       eviction: ``None`` (a full table refuses new keys, counted in
         ``dropped``), or ``jr.LRU()``, ``jr.LFU()``, ``jr.CustomScore()``: a
         full table evicts (see :mod:`jaxres` section on eviction). Scores take
@@ -97,9 +107,11 @@ class OpenAddressingTable(Storage):
       ValueError: ``capacity`` or ``bucket_size`` out of range.
     """
     capacity = check_capacity(capacity)
-    bucket_size = check_int(bucket_size, "bucket_size", low=1, high=32)
     eviction = check_policy(eviction)
     key_spec, value_spec, default = cls._specs(key, value, default)
+    if bucket_size is None:
+      bucket_size = line_slots(key_spec.num_words)
+    bucket_size = check_int(bucket_size, "bucket_size", low=1, high=32)
     return _empty(capacity, key_spec, value_spec, default, bucket_size, eviction)
 
   # ------------------------------------------------------------- layout
@@ -343,6 +355,16 @@ class OpenAddressingTable(Storage):
     flat = layout.unset(self.buckets.reshape(-1), slot, mask)
     flat = layout.shift_overflow(flat, layout.home(words), slot, mask, -1)
     return dataclasses.replace(self, buckets=flat.reshape(self.buckets.shape))
+
+
+def line_slots(num_words: int) -> int:
+  """Slots per bucket such that a record (keys, mask, overflow count) fits one 64-byte line.
+
+  Example:
+    >>> line_slots(1), line_slots(2), line_slots(3)
+    (14, 7, 4)
+  """
+  return max(1, (_LINE_WORDS - 2) // num_words)
 
 
 def check_slots(words, slots, num_slots: int) -> None:
