@@ -174,10 +174,14 @@ void LowestWriter(const std::vector<int64_t>& cells, const std::vector<char>& ma
   constexpr int32_t kFree = INT32_MAX;
   scratch.assign(size, kFree);
   for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) __builtin_prefetch(&scratch[cells[i + kAhead]], 1);
     if (mask[i]) scratch[cells[i]] = std::min<int32_t>(scratch[cells[i]], i);
   }
   writer.resize(n);
-  for (int64_t i = 0; i < n; ++i) writer[i] = std::min<int32_t>(scratch[cells[i]], n - 1);
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) __builtin_prefetch(&scratch[cells[i + kAhead]]);
+    writer[i] = std::min<int32_t>(scratch[cells[i]], n - 1);
+  }
 }
 
 // For each masked row, the first (or last) masked row with the same words;
@@ -369,6 +373,7 @@ ffi::Error Claim(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> words_i
   std::vector<int32_t> candidate, scratch, writer;
   std::vector<char> active, trying, full, placed;
   std::vector<int32_t> placed_slot;
+  std::vector<int64_t> queue, requeue;  // the pending rows after round 0, lowest first
   bool any_pending = n > 0;
   for (int32_t rounds = 0; any_pending; ++rounds) {
     const bool later = rounds > 0;
@@ -378,10 +383,9 @@ ffi::Error Claim(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> words_i
     if (!later) {
       for (int64_t i = 0; i < n; ++i) rows.push_back(i);
     } else {
-      int64_t chunk = ChunkSize(n);
-      for (int64_t i = 0; i < n && static_cast<int64_t>(rows.size()) < chunk; ++i) {
-        if (pending[i]) rows.push_back(i);
-      }
+      const int64_t chunk = ChunkSize(n), taken = std::min<int64_t>(chunk, queue.size());
+      rows.assign(queue.begin(), queue.begin() + taken);
+      queue.erase(queue.begin(), queue.begin() + taken);
       while (static_cast<int64_t>(rows.size()) < chunk) rows.push_back(-1);  // padding: inactive
     }
     const int64_t m = rows.size();
@@ -424,11 +428,14 @@ ffi::Error Claim(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> words_i
       candidate[p] = static_cast<int32_t>(current * size + offset);
       trying[p] = active[p] && !full[p];
     }
+    auto by_slot = [&](int32_t slot) { return static_cast<int64_t>(t.by_size.div(slot)); };
     cells.assign(m, 0);
     const int64_t scratch_size = ScratchSize(m);
     for (int64_t p = 0; p < m; ++p) cells[p] = CellOf(candidate[p], rounds, scratch_size);
     LowestWriter(cells, trying, scratch_size, scratch, writer);
     for (int64_t p = 0; p < m; ++p) {
+      // The record a winner stores into, fetched ahead (a row wins where it is its cell's lowest writer).
+      if (p + kAhead < m && writer[p + kAhead] == p + kAhead) t.prefetch(by_slot(candidate[p + kAhead]));
       int64_t i = rows[p];
       if (i < 0) continue;
       int64_t win = writer[p];
@@ -448,7 +455,13 @@ ffi::Error Claim(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> words_i
       }
       pending[i] = active[p] && !won && !same_key;
     }
-    any_pending = std::any_of(pending.begin(), pending.end(), [](char c) { return c != 0; });
+    // Rows of this round still pending go before the queue's rest (all higher).
+    requeue.clear();
+    for (int64_t p = 0; p < m; ++p) {
+      if (rows[p] >= 0 && pending[rows[p]]) requeue.push_back(rows[p]);
+    }
+    queue.insert(queue.begin(), requeue.begin(), requeue.end());
+    any_pending = !queue.empty();
   }
   // Rare: equal keys split over chunks. Each key's first row is then its slot's lowest row.
   if (std::any_of(first, first + n, [](int32_t f) { return f < 0; })) {
