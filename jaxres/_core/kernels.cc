@@ -364,10 +364,11 @@ ffi::Error Claim(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> words_i
   std::vector<uint32_t> lane(n);
   std::vector<char> pending(n);
   for (int64_t i = 0; i < n; ++i) {
-    home[i] = bucket[i] = t.home(words + i * W);
-    lane[i] = (HashWords(words + i * W, W, 1) * 0x9E3779B1u) >> 16;
     first[i] = static_cast<int32_t>(i);
     pending[i] = admitted.typed_data()[i];
+    if (!pending[i]) continue;  // only admitted rows probe, claim and count overflows
+    home[i] = bucket[i] = t.home(words + i * W);
+    lane[i] = (HashWords(words + i * W, W, 1) * 0x9E3779B1u) >> 16;
   }
   std::vector<int64_t> rows, cells, live;
   std::vector<int32_t> candidate, scratch, writer;
