@@ -126,11 +126,12 @@ struct Buckets {
   }
 
   void store(int64_t slot, const uint32_t* words) const {
-    int64_t b = by_size.div(slot), s = slot - b * bucket_size;
+    int64_t b = bucket_of(slot), s = slot - b * bucket_size;
     std::memcpy(record(b) + s * num_words, words, num_words * sizeof(uint32_t));
     mask(b) += 1u << s;
   }
 
+  int64_t bucket_of(int64_t slot) const { return by_size.div(static_cast<uint32_t>(slot)); }
   int64_t next(int64_t b) const { return b + 1 == num_buckets ? 0 : b + 1; }
   // Buckets from `home` forward to `b` (wrapping).
   int64_t distance(int64_t home, int64_t b) const { return b >= home ? b - home : b - home + num_buckets; }
@@ -429,14 +430,13 @@ ffi::Error Claim(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> words_i
       candidate[p] = static_cast<int32_t>(current * size + offset);
       trying[p] = active[p] && !full[p];
     }
-    auto by_slot = [&](int32_t slot) { return static_cast<int64_t>(t.by_size.div(slot)); };
     cells.assign(m, 0);
     const int64_t scratch_size = ScratchSize(m);
     for (int64_t p = 0; p < m; ++p) cells[p] = CellOf(candidate[p], rounds, scratch_size);
     LowestWriter(cells, trying, scratch_size, scratch, writer);
     for (int64_t p = 0; p < m; ++p) {
       // The record a winner stores into, fetched ahead (a row wins where it is its cell's lowest writer).
-      if (p + kAhead < m && writer[p + kAhead] == p + kAhead) t.prefetch(by_slot(candidate[p + kAhead]));
+      if (p + kAhead < m && writer[p + kAhead] == p + kAhead) t.prefetch(t.bucket_of(candidate[p + kAhead]));
       int64_t i = rows[p];
       if (i < 0) continue;
       int64_t win = writer[p];
@@ -472,7 +472,7 @@ ffi::Error Claim(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> words_i
   // Raise the overflow count of every bucket a newly placed key probed past.
   for (int64_t i = 0; i < n; ++i) {
     if (!admitted.typed_data()[i] || first[i] != i) continue;
-    const int64_t distance = t.distance(home[i], t.by_size.div(slot[i]));
+    const int64_t distance = t.distance(home[i], t.bucket_of(slot[i]));
     for (int64_t r = 0, b = home[i]; r < distance; ++r, b = t.next(b)) t.overflow(b) += 1u;
   }
   return ffi::Error::Success();
