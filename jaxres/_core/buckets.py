@@ -1,11 +1,13 @@
 """The bucket array of open addressing: records, occupancy and overflow counts.
 
 ``num_buckets`` buckets of ``bucket_size`` slots. Each bucket is one
-``uint32`` record: the key words of its slots, a bitmask of occupied slots and
-an overflow count (the live entries that probed past it), so reading a bucket
-is a single gather. Slot ``s`` is offset ``s % bucket_size`` of bucket
-``s // bucket_size``. The functions here work on the record array flattened,
-as the placement loops carry it.
+``uint32`` record: the key words of its slots, a bitmask of occupied slots, an
+overflow count (the live entries that probed past it) and the value row of
+each slot, so reading a bucket is a single gather. Slot ``s`` is offset
+``s % bucket_size`` of bucket ``s // bucket_size``. Records are padded to a
+power of two words (up to 16, a 64-byte cache line; then to a multiple of 16)
+so that none straddles more lines than it must. The functions here work on the
+record array flattened, as the placement loops carry it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxres._core.hashing import hash_words
+
+LINE_WORDS = 16  # uint32 words per 64-byte cache line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +37,15 @@ class Layout:
     return self.bucket_size * self.num_words
 
   @property
-  def record_width(self) -> int:
+  def row_column(self) -> int:
+    """Column of slot 0's value row in a record (slot ``s``'s follows at ``row_column + s``)."""
     return self.mask_column + 2
+
+  @property
+  def record_width(self) -> int:
+    """uint32 words per record, padding included."""
+    used = self.row_column + self.bucket_size
+    return 1 << (used - 1).bit_length() if used <= LINE_WORDS else -(-used // LINE_WORDS) * LINE_WORDS
 
   @property
   def num_slots(self) -> int:
@@ -60,6 +71,10 @@ class Layout:
   def bucket_rows(self, per_slot: jax.Array, bucket: jax.Array) -> jax.Array:
     """``[*bucket.shape, bucket_size]``: a per-slot array's values for the slots of ``bucket``."""
     return per_slot.reshape(self.num_buckets, self.bucket_size)[bucket]
+
+  def row_cell(self, slot: jax.Array) -> jax.Array:
+    """Flat index of each ``slot``'s value row in the records."""
+    return self.column(slot // self.bucket_size, self.row_column + slot % self.bucket_size)
 
   def keys_of(self, records: jax.Array) -> jax.Array:
     """uint32[..., bucket_size, num_words]: the key words held in records."""

@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxres._core import codec
 from jaxres._core.eviction import Evicted
+from jaxres._core.rows import select_rows
 
 _MIN_EAGER_ROWS = 8
 NO_VALUES = object()  # a call that takes keys only (``None`` is a bad value, not no value)
@@ -94,7 +95,12 @@ def evicted(table, result, rows: Rows) -> Evicted:
     leaves = [d.reshape((n, *d.shape[len(batch) :])) for d in defaults(table, None, batch)]
     result = (words, leaves, jnp.zeros(n, jnp.uint32), jnp.zeros(n, bool))
   words, leaves, scores, valid = (jax.tree.map(lambda x: x[:n], part) for part in result)
+  # Rows where nothing left read as a table without eviction's: zero keys and scores, the default.
   words = jnp.where(valid[:, None], words, table.key_spec.encode_zero())
+  leaves = select_rows(
+    valid, leaves, [d.reshape((n, *d.shape[len(batch) :])) for d in defaults(table, None, batch)]
+  )
+  scores = jnp.where(valid, scores, jnp.uint32(0))
   keys = table.key_spec.decode(words.reshape(*batch, table.key_spec.num_words))
   return Evicted(keys, output(table, leaves, batch), scores.reshape(batch), valid.reshape(batch))
 

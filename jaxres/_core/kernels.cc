@@ -11,14 +11,20 @@
 //
 // The XLA versions work in data-parallel rounds; these run the same rounds
 // one row at a time, without the per-op overhead of XLA:CPU, with software
-// prefetching of the bucket records. Single-threaded: results never depend
-// on scheduling.
+// prefetching of the bucket records. The read-only kernels (locate, lookup,
+// search) split their rows over XLA's intra-op thread pool; every row is
+// computed by exactly one thread from inputs no thread writes, so results
+// never depend on scheduling. The claim kernel runs its rounds on one thread.
 
 #include <Python.h>
 
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -26,6 +32,41 @@
 namespace ffi = xla::ffi;
 
 namespace {
+
+// ------------------------------------------------------------- threads
+
+// Runs body(begin, end) over [0, n) split into equal ranges of at least
+// `grain` rows (multiples of `align`), one per thread of `pool` at most. The
+// calling thread takes ranges too, so this finishes even when no pool thread
+// is free; a pool task that starts after every range is taken does nothing.
+template <typename Body>
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t grain, int64_t align, const Body& body) {
+  const int64_t ranges = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), n / grain);
+  if (ranges <= 1) {
+    body(int64_t{0}, n);
+    return;
+  }
+  const int64_t step = (n / ranges + align - 1) / align * align;
+  struct Progress {
+    std::atomic<int64_t> next{0};
+    int64_t done = 0;
+    std::mutex mutex;
+    std::condition_variable finished;
+  };
+  auto progress = std::make_shared<Progress>();
+  // Takes ranges until none is left; `body` is only called on a range the caller still waits for.
+  auto work = [progress, n, step, ranges, &body] {
+    for (int64_t r; (r = progress->next.fetch_add(1)) < ranges;) {
+      if (r * step < n) body(r * step, std::min(n, (r + 1) * step));
+      std::lock_guard<std::mutex> lock(progress->mutex);
+      if (++progress->done == ranges) progress->finished.notify_all();
+    }
+  };
+  for (int64_t t = 1; t < ranges; ++t) pool.Schedule([work] { work(); });
+  work();
+  std::unique_lock<std::mutex> lock(progress->mutex);
+  progress->finished.wait(lock, [&] { return progress->done == ranges; });
+}
 
 // ------------------------------------------------------------- hashing.py
 
@@ -92,16 +133,17 @@ const Divisor* SmallDivisors() {
 // --------------------------------------------------------------- buckets.py
 
 // A view of the bucket records: per bucket, the key words of its slots, an
-// occupancy bitmask and an overflow count.
+// occupancy bitmask, an overflow count and the value row of each slot, then
+// padding up to `width` words.
 struct Buckets {
   uint32_t* records;
-  int64_t num_buckets, bucket_size, num_words;
+  int64_t num_buckets, width, bucket_size, num_words;
   Divisor by_buckets, by_size;
 
-  int64_t width() const { return bucket_size * num_words + 2; }
-  uint32_t* record(int64_t b) const { return records + b * width(); }
+  uint32_t* record(int64_t b) const { return records + b * width; }
   uint32_t& mask(int64_t b) const { return record(b)[bucket_size * num_words]; }
   uint32_t& overflow(int64_t b) const { return record(b)[bucket_size * num_words + 1]; }
+  int32_t row(int64_t b, int64_t s) const { return static_cast<int32_t>(record(b)[bucket_size * num_words + 2 + s]); }
   int64_t home(const uint32_t* words) const {
     return by_buckets.mod(HashWords(words, num_words, 0));
   }
@@ -110,10 +152,10 @@ struct Buckets {
   int64_t match(int64_t b, const uint32_t* words) const {
     const uint32_t* r = record(b);
     uint32_t equal = 0;
-    if (num_words == 2 && bucket_size == 7) {  // the default shapes: one cache line per record
-      equal = EqualSlots<2, 7>(r, words);
-    } else if (num_words == 1 && bucket_size == 14) {
-      equal = EqualSlots<1, 14>(r, words);
+    if (num_words == 2 && bucket_size == 4) {  // the default shapes: one cache line per record
+      equal = EqualSlots<2, 4>(r, words);
+    } else if (num_words == 1 && bucket_size == 7) {
+      equal = EqualSlots<1, 7>(r, words);
     } else if (num_words == 2 && bucket_size == 8) {
       equal = EqualSlots<2, 8>(r, words);
     } else if (num_words == 1 && bucket_size == 8) {
@@ -136,18 +178,18 @@ struct Buckets {
   // Buckets from `home` forward to `b` (wrapping).
   int64_t distance(int64_t home, int64_t b) const { return b >= home ? b - home : b - home + num_buckets; }
 
-  // The cache lines of a record (two where it straddles a line boundary).
+  // The cache lines of a record's used words.
   void prefetch(int64_t b) const {
     const uint32_t* first = record(b);
-    const uint32_t* last = first + width() - 1;
+    const uint32_t* last = first + bucket_size * (num_words + 1) + 1;
     __builtin_prefetch(first);
     if ((reinterpret_cast<uintptr_t>(first) ^ reinterpret_cast<uintptr_t>(last)) >> 6) __builtin_prefetch(last);
   }
 };
 
-Buckets View(uint32_t* records, const ffi::Span<const int64_t> dims, int64_t bucket_size) {
-  int64_t width = dims[1];
-  return Buckets{records, dims[0], bucket_size, (width - 2) / bucket_size, Divisor(dims[0]), Divisor(bucket_size)};
+// Records [num_buckets, width] of keys of `num_words` words.
+Buckets View(uint32_t* records, const ffi::Span<const int64_t> dims, int64_t bucket_size, int64_t num_words) {
+  return Buckets{records, dims[0], dims[1], bucket_size, num_words, Divisor(dims[0]), Divisor(bucket_size)};
 }
 
 constexpr int64_t kAhead = 32;  // rows whose home bucket is fetched ahead of the probe
@@ -212,8 +254,9 @@ void OwnerPerKey(const uint32_t* words, int64_t n, int64_t num_words, const bool
 // -------------------------------------------------------- probes and rows
 
 // OpenAddressingTable._locate: whether each of the `n` key rows is present,
-// and its slot (for a miss, the first slot of its home bucket).
-void LocateRows(const Buckets& t, const uint32_t* w, int64_t n, bool* hit, int32_t* out) {
+// and its slot (for a miss, the first slot of its home bucket); with `row`,
+// also the value row of each hit (0 for a miss).
+void LocateRows(const Buckets& t, const uint32_t* w, int64_t n, bool* hit, int32_t* out, int32_t* row = nullptr) {
   std::vector<int64_t> home(n);
   for (int64_t i = 0; i < n; ++i) home[i] = t.home(w + i * t.num_words);
   for (int64_t i = 0; i < std::min(n, kAhead); ++i) t.prefetch(home[i]);
@@ -230,6 +273,7 @@ void LocateRows(const Buckets& t, const uint32_t* w, int64_t n, bool* hit, int32
       if (s >= 0) out[i] = static_cast<int32_t>(b * t.bucket_size + s);
     }
     hit[i] = s >= 0;
+    if (row) row[i] = s >= 0 ? t.row(b, s) : 0;
   }
 }
 
@@ -261,41 +305,57 @@ inline void PrefetchRow(const char* row, int64_t bytes) {
 
 // ------------------------------------------------------------------ kernels
 
-ffi::Error Locate(ffi::Buffer<ffi::U32> records, ffi::Buffer<ffi::U32> words, ffi::ResultBuffer<ffi::PRED> found,
-                  ffi::ResultBuffer<ffi::S32> slot, int64_t bucket_size) {
-  Buckets t = View(records.typed_data(), records.dimensions(), bucket_size);
-  LocateRows(t, words.typed_data(), words.dimensions()[0], found->typed_data(), slot->typed_data());
+constexpr int64_t kGrain = 8192;  // rows below which a thread of its own does not pay (measured)
+
+ffi::Error Locate(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records, ffi::Buffer<ffi::U32> words,
+                  ffi::ResultBuffer<ffi::PRED> found, ffi::ResultBuffer<ffi::S32> slot, int64_t bucket_size) {
+  Buckets t = View(records.typed_data(), records.dimensions(), bucket_size, words.dimensions()[1]);
+  const uint32_t* w = words.typed_data();
+  ParallelFor(pool, words.dimensions()[0], kGrain, 1, [&](int64_t begin, int64_t end) {
+    LocateRows(t, w + begin * t.num_words, end - begin, found->typed_data() + begin, slot->typed_data() + begin);
+  });
   return ffi::Error::Success();
 }
 
-// Arguments after `words`: the value leaves [slots, ...], then as many
+// Arguments after `words`: the value leaves [rows, ...], then as many
 // default leaves, [n, ...] or one row for all; results after `found`: the
-// values [n, ...], each row its slot's value where found, else its default.
-ffi::Error Lookup(ffi::Buffer<ffi::U32> records, ffi::Buffer<ffi::U32> words, ffi::RemainingArgs leaves,
-                  ffi::ResultBuffer<ffi::PRED> found, ffi::RemainingRets outputs, int64_t bucket_size) {
-  Buckets t = View(records.typed_data(), records.dimensions(), bucket_size);
+// values [n, ...], each row its slot's value row where found, else its default.
+ffi::Error Lookup(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records, ffi::Buffer<ffi::U32> words,
+                  ffi::RemainingArgs leaves, ffi::ResultBuffer<ffi::PRED> found, ffi::RemainingRets outputs,
+                  int64_t bucket_size) {
+  Buckets t = View(records.typed_data(), records.dimensions(), bucket_size, words.dimensions()[1]);
   const int64_t n = words.dimensions()[0], num_leaves = outputs.size();
   if (leaves.size() != static_cast<size_t>(2 * num_leaves)) {
     return ffi::Error::InvalidArgument("jaxres_lookup: expected a default leaf per value leaf");
   }
-  bool* hit = found->typed_data();
-  std::vector<int32_t> slot(n);
-  LocateRows(t, words.typed_data(), n, hit, slot.data());
+  struct Leaf {
+    const char *from, *fallback;
+    char* to;
+    int64_t bytes, fallback_step;
+  };
+  std::vector<Leaf> columns;
   for (int64_t l = 0; l < num_leaves; ++l) {
     auto values = leaves.get<ffi::AnyBuffer>(l), defaults = leaves.get<ffi::AnyBuffer>(num_leaves + l);
     auto out = outputs.get<ffi::AnyBuffer>(l);
     if (!values || !defaults || !out) return ffi::Error::InvalidArgument("jaxres_lookup: bad leaf");
     const int64_t bytes = RowBytes(*values);
-    const char* from = static_cast<const char*>(values->untyped_data());
-    const char* fallback = static_cast<const char*>(defaults->untyped_data());
-    const int64_t fallback_step = defaults->size_bytes() == static_cast<size_t>(n * bytes) ? bytes : 0;
-    char* to = static_cast<char*>((*out)->untyped_data());
-    for (int64_t i = 0; i < std::min(n, kAhead); ++i) PrefetchRow(from + slot[i] * bytes, bytes);
-    for (int64_t i = 0; i < n; ++i) {
-      if (i + kAhead < n && hit[i + kAhead]) PrefetchRow(from + slot[i + kAhead] * bytes, bytes);
-      CopyRow(to + i * bytes, hit[i] ? from + slot[i] * bytes : fallback + i * fallback_step, bytes);
-    }
+    columns.push_back({static_cast<const char*>(values->untyped_data()),
+                       static_cast<const char*>(defaults->untyped_data()), static_cast<char*>((*out)->untyped_data()),
+                       bytes, defaults->size_bytes() == static_cast<size_t>(n * bytes) ? bytes : 0});
   }
+  bool* hit = found->typed_data();
+  const uint32_t* w = words.typed_data();
+  std::vector<int32_t> slot(n), row(n);
+  ParallelFor(pool, n, kGrain, 1, [&](int64_t begin, int64_t end) {
+    LocateRows(t, w + begin * t.num_words, end - begin, hit + begin, slot.data() + begin, row.data() + begin);
+    for (const Leaf& c : columns) {
+      for (int64_t i = begin; i < std::min(end, begin + kAhead); ++i) PrefetchRow(c.from + row[i] * c.bytes, c.bytes);
+      for (int64_t i = begin; i < end; ++i) {
+        if (i + kAhead < end && hit[i + kAhead]) PrefetchRow(c.from + row[i + kAhead] * c.bytes, c.bytes);
+        CopyRow(c.to + i * c.bytes, hit[i] ? c.from + row[i] * c.bytes : c.fallback + i * c.fallback_step, c.bytes);
+      }
+    }
+  });
   return ffi::Error::Success();
 }
 
@@ -303,8 +363,8 @@ ffi::Error Lookup(ffi::Buffer<ffi::U32> records, ffi::Buffer<ffi::U32> words, ff
 // [0, count), and whether the key is there. Branch-free halving whose steps
 // depend on `count` only, so a group of keys descends in lockstep and the
 // next row of each is prefetched while the others compare.
-ffi::Error Search(ffi::Buffer<ffi::U32> sorted, ffi::Buffer<ffi::S32> count_in, ffi::Buffer<ffi::U32> words,
-                  ffi::ResultBuffer<ffi::PRED> present, ffi::ResultBuffer<ffi::S32> position) {
+ffi::Error Search(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> sorted, ffi::Buffer<ffi::S32> count_in,
+                  ffi::Buffer<ffi::U32> words, ffi::ResultBuffer<ffi::PRED> present, ffi::ResultBuffer<ffi::S32> position) {
   constexpr int64_t kGroup = 64;
   const int64_t W = sorted.dimensions()[1], n = words.dimensions()[0];
   const int64_t count = std::clamp<int64_t>(count_in.typed_data()[0], 0, sorted.dimensions()[0]);
@@ -319,23 +379,25 @@ ffi::Error Search(ffi::Buffer<ffi::U32> sorted, ffi::Buffer<ffi::S32> count_in, 
     }
     return lt;
   };
-  for (int64_t start = 0; start < n; start += kGroup) {
-    const int64_t m = std::min(kGroup, n - start);
-    int64_t base[kGroup] = {};
-    for (int64_t left = count; left > 1; left -= left / 2) {
-      const int64_t half = left / 2, next_half = (left - half) / 2;
+  ParallelFor(pool, n, kGrain, kGroup, [&](int64_t begin, int64_t end) {
+    for (int64_t start = begin; start < end; start += kGroup) {
+      const int64_t m = std::min(kGroup, end - start);
+      int64_t base[kGroup] = {};
+      for (int64_t left = count; left > 1; left -= left / 2) {
+        const int64_t half = left / 2, next_half = (left - half) / 2;
+        for (int64_t g = 0; g < m; ++g) {
+          base[g] += less(base[g] + half, w + (start + g) * W) ? half : 0;
+          __builtin_prefetch(keys + (base[g] + next_half) * W);
+        }
+      }
       for (int64_t g = 0; g < m; ++g) {
-        base[g] += less(base[g] + half, w + (start + g) * W) ? half : 0;
-        __builtin_prefetch(keys + (base[g] + next_half) * W);
+        const int64_t i = start + g;
+        const int64_t low = count > 0 && less(base[g], w + i * W) ? base[g] + 1 : base[g];
+        position->typed_data()[i] = static_cast<int32_t>(low);
+        present->typed_data()[i] = low < count && SameWords(keys + low * W, w + i * W, W);
       }
     }
-    for (int64_t g = 0; g < m; ++g) {
-      const int64_t i = start + g;
-      const int64_t low = count > 0 && less(base[g], w + i * W) ? base[g] + 1 : base[g];
-      position->typed_data()[i] = static_cast<int32_t>(low);
-      present->typed_data()[i] = low < count && SameWords(keys + low * W, w + i * W, W);
-    }
-  }
+  });
   return ffi::Error::Success();
 }
 
@@ -355,7 +417,7 @@ ffi::Error Claim(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> words_i
   if (records != records_in.typed_data()) {
     std::memcpy(records, records_in.typed_data(), records_in.size_bytes());
   }
-  Buckets t = View(records, records_in.dimensions(), bucket_size);
+  Buckets t = View(records, records_in.dimensions(), bucket_size, words_in.dimensions()[1]);
   const int64_t n = words_in.dimensions()[0], W = t.num_words, size = bucket_size;
   const uint32_t* words = words_in.typed_data();
   int32_t* slot = slot_out->typed_data();
@@ -482,6 +544,7 @@ ffi::Error Claim(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> words_i
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresLocate, Locate,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::Buffer<ffi::PRED>>()
@@ -490,6 +553,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresLocate, Locate,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresLookup, Lookup,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .RemainingArgs()
@@ -499,6 +563,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresLookup, Lookup,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresSearch, Search,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()

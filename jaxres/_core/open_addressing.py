@@ -10,6 +10,9 @@ inserted (see :mod:`buckets` for the records).
   so probe chains shrink again instead of filling up with deleted markers.
 * **Conflicts resolved by claims, not by racing scatters** (:mod:`placing`):
   per-call work is O(batch) and never touches the whole capacity.
+* **Dense values.** A slot's value row is kept in its bucket's record; the
+  ``capacity`` value rows are handed out from a stack of free rows, so wide
+  values cost ``capacity`` rows, not one per slot.
 * **Exact when full.** When a batch might not fit, the sort-based admission
   (:func:`batch.admit`) takes new keys in batch order. Without an eviction
   policy the others are counted in ``dropped``; with one they evict
@@ -29,7 +32,7 @@ from jax import lax
 from jaxres._core import batch as batch_lib
 from jaxres._core import calls, claims, codec, evicting, native, placing
 from jaxres._core.args import check_int
-from jaxres._core.buckets import Layout
+from jaxres._core.buckets import LINE_WORDS, Layout
 from jaxres._core.eviction import LRU, Policy, check_policy
 from jaxres._core.pytrees import pytree_dataclass, static_field
 from jaxres._core.rows import select_rows, take_rows
@@ -37,8 +40,7 @@ from jaxres._core.storage import Storage, empty_fields
 from jaxres._core.table import check_capacity
 from jaxres._core.values import ValueSpec
 
-_MAX_LOAD = 0.5  # live entries per slot at full capacity: short probe chains, ~26 B/entry
-_LINE_WORDS = 16  # uint32 words per 64-byte cache line
+_MAX_LOAD = 0.5  # live entries per slot at full capacity: short probe chains
 
 
 @pytree_dataclass
@@ -58,8 +60,9 @@ class OpenAddressingTable(Storage):
     ([[1.0, 1.0], [0.0, 0.0]], 2)
   """
 
-  buckets: jax.Array  # uint32[num_buckets, bucket_size * num_words + 2]
-  values: tuple  # leaves [num_buckets * bucket_size, *storage_shape]
+  buckets: jax.Array  # uint32[num_buckets, layout.record_width]
+  values: tuple  # leaves [capacity, *storage_shape]: dense rows, the slots' records point into them
+  free_rows: jax.Array  # int32[capacity]: free_rows[size:] are the rows no entry holds
   default: tuple  # leaves [*storage_shape]
   slot_scores: jax.Array  # uint32[num_buckets * bucket_size] with an eviction policy, else uint32[0]
   size: jax.Array  # shape=(), dtype=int32
@@ -95,7 +98,9 @@ class OpenAddressingTable(Storage):
         broadcast.
       bucket_size: slots per bucket, fetched by one gather (1 to 32); by
         default as many as fill one 64-byte cache line with the bucket's
-        record (14 for 32-bit keys, 7 for 64-bit ones).
+        record (7 for 32-bit keys, 4 for 64-bit ones), two lines with an
+        eviction policy (15 and 10: a new key's candidates are its home
+        bucket's entries).
       eviction: ``None`` (a full table refuses new keys, counted in
         ``dropped``), or ``jr.LRU()``, ``jr.LFU()``, ``jr.CustomScore()``: a
         full table evicts (see :mod:`jaxres` section on eviction). Scores take
@@ -110,7 +115,7 @@ class OpenAddressingTable(Storage):
     eviction = check_policy(eviction)
     key_spec, value_spec, default = cls._specs(key, value, default)
     if bucket_size is None:
-      bucket_size = line_slots(key_spec.num_words)
+      bucket_size = line_slots(key_spec.num_words, lines=1 if eviction is None else 2)
     bucket_size = check_int(bucket_size, "bucket_size", low=1, high=32)
     return _empty(capacity, key_spec, value_spec, default, bucket_size, eviction)
 
@@ -118,11 +123,11 @@ class OpenAddressingTable(Storage):
 
   @property
   def layout(self) -> Layout:
-    return Layout(self.buckets.shape[0], self.bucket_size, self.key_spec.num_words)
+    return Layout(self.buckets.shape[-2], self.bucket_size, self.key_spec.num_words)
 
   @property
   def num_buckets(self) -> int:
-    return self.buckets.shape[0]
+    return self.buckets.shape[-2]
 
   @property
   def num_slots(self) -> int:
@@ -149,18 +154,26 @@ class OpenAddressingTable(Storage):
     layout = self.layout
     flat = layout.store(self.buckets.reshape(-1), slots, words, valid)
     flat = layout.shift_overflow(flat, layout.home(words), slots, valid, 1)
-    index = jnp.where(valid, slots, layout.num_slots)
-    values = tuple(v.at[index].set(x, mode="drop") for v, x in zip(self.values, leaves))
-    slot_scores = self.slot_scores
+    flat = self._take_free_rows(flat, slots, valid)
+    table = dataclasses.replace(self, buckets=flat.reshape(self.buckets.shape))
+    table = table._write(slots, leaves, valid)
     if given is not None:
-      slot_scores = slot_scores.at[index].set(given, mode="drop")
-    return dataclasses.replace(
-      self,
-      buckets=flat.reshape(self.buckets.shape),
-      values=values,
-      slot_scores=slot_scores,
-      size=jnp.sum(valid, dtype=jnp.int32),
-    )
+      scores = self.slot_scores.at[jnp.where(valid, slots, layout.num_slots)].set(given, mode="drop")
+      table = dataclasses.replace(table, slot_scores=scores)
+    return dataclasses.replace(table, size=jnp.sum(valid, dtype=jnp.int32))
+
+  def _take_free_rows(self, flat, slot, new):
+    """The records ``flat`` with a free value row given to each ``new`` entry's slot, in batch order.
+
+    ``new`` marks distinct slots, at most ``capacity - size`` of them; the
+    caller adds them to ``size``.
+    """
+    rank = jnp.cumsum(new, dtype=jnp.int32) - 1
+    row = self.free_rows[jnp.clip(self.size + rank, 0, self.capacity - 1)].astype(jnp.uint32)
+    return flat.at[jnp.where(new, self.layout.row_cell(slot), flat.size)].set(row, mode="drop")
+
+  def _row_of(self, slot):
+    return self.buckets.reshape(-1)[self.layout.row_cell(slot)].astype(jnp.int32)
 
   def _with_capacity(self, capacity):
     return _empty(capacity, self.key_spec, self.value_spec, self.default, self.bucket_size, self.eviction)
@@ -275,6 +288,7 @@ class OpenAddressingTable(Storage):
     # No cond around the placement for batches that admit nothing: each branch
     # would take its own copy of the whole bucket array.
     flat, slot, first = placing.claim_slots(self.layout, self.buckets.reshape(-1), words, admitted, slot)
+    flat = self._take_free_rows(flat, slot, admitted & (first == index))
     table = dataclasses.replace(
       self,
       buckets=flat.reshape(self.buckets.shape),
@@ -295,7 +309,7 @@ class OpenAddressingTable(Storage):
     table = self._write(slot, leaves, placed & (first == index))
     # Found keys' values are read after the write (which leaves them as they were): a read of
     # the old array would keep it alive next to the new one, and XLA would copy it whole.
-    return table, select_rows(found, take_rows(table.values, slot), new_values)
+    return table, select_rows(found, table._read(slot), new_values)
 
   def _upsert_evicting(self, words, leaves, found, admitted, to_evict, slot, first, given, mode):
     """The rest of an upsert with an eviction policy: scores, then new keys that do not fit evict.
@@ -333,7 +347,8 @@ class OpenAddressingTable(Storage):
     placed = to_evict & outcome.placed[first]
     refused = to_evict & heads & outcome.refused
     slot = jnp.where(placed, outcome.slot[first], slot)
-    evicted_values = take_rows(self.values, outcome.victim_slot)  # before the new keys' values
+    # Read before the new keys' values are written: a newcomer takes over its victim's row.
+    evicted_values = self._read(outcome.victim_slot)
     table = dataclasses.replace(
       self,
       buckets=outcome.flat.reshape(self.buckets.shape),
@@ -352,19 +367,22 @@ class OpenAddressingTable(Storage):
 
   def _release(self, words, slot, mask):
     layout = self.layout
+    # The released rows go on top of the free ones: free_rows[size - released:].
+    at = self.size - jnp.sum(mask, dtype=jnp.int32) + jnp.cumsum(mask, dtype=jnp.int32) - 1
+    free_rows = self.free_rows.at[jnp.where(mask, at, self.capacity)].set(self._row_of(slot), mode="drop")
     flat = layout.unset(self.buckets.reshape(-1), slot, mask)
     flat = layout.shift_overflow(flat, layout.home(words), slot, mask, -1)
-    return dataclasses.replace(self, buckets=flat.reshape(self.buckets.shape))
+    return dataclasses.replace(self, buckets=flat.reshape(self.buckets.shape), free_rows=free_rows)
 
 
-def line_slots(num_words: int) -> int:
-  """Slots per bucket such that a record (keys, mask, overflow count) fits one 64-byte line.
+def line_slots(num_words: int, lines: int = 1) -> int:
+  """Slots per bucket such that a record (keys, mask, overflow count, rows) fits ``lines`` 64-byte lines.
 
   Example:
-    >>> line_slots(1), line_slots(2), line_slots(3)
-    (14, 7, 4)
+    >>> line_slots(1), line_slots(2), line_slots(3), line_slots(2, lines=2)
+    (7, 4, 3, 10)
   """
-  return max(1, (_LINE_WORDS - 2) // num_words)
+  return max(1, (lines * LINE_WORDS - 2) // (num_words + 1))
 
 
 def check_slots(words, slots, num_slots: int) -> None:
@@ -389,10 +407,10 @@ def _jit_place(table: OpenAddressingTable, words, leaves, given, slots, valid) -
 
 
 def _empty(capacity, key_spec, value_spec, default, bucket_size, eviction):
-  num_buckets = max(1, math.ceil(capacity / (bucket_size * _MAX_LOAD)))
-  rows = num_buckets * bucket_size
+  layout = Layout(max(1, math.ceil(capacity / (bucket_size * _MAX_LOAD))), bucket_size, key_spec.num_words)
   return OpenAddressingTable(
-    buckets=jnp.zeros((num_buckets, bucket_size * key_spec.num_words + 2), jnp.uint32),
+    buckets=jnp.zeros((layout.num_buckets, layout.record_width), jnp.uint32),
+    free_rows=jnp.arange(capacity, dtype=jnp.int32),
     bucket_size=bucket_size,
-    **empty_fields(capacity, key_spec, value_spec, default, rows, eviction),
+    **empty_fields(capacity, key_spec, value_spec, default, layout.num_slots, eviction),
   )

@@ -203,7 +203,7 @@ class ShardedTable(Table):
   @property
   def num_slots(self) -> int:
     """Slots over all shards; ``export_batch`` numbers them shard by shard."""
-    return self.num_shards * self.shards.values[0].shape[1]
+    return self.num_shards * self.shards.num_slots
 
   def export(self):
     """All entries as fixed-shape arrays ``(keys, values, valid)``.
@@ -300,7 +300,10 @@ class ShardedTable(Table):
     def flat(x):
       return x.reshape(total, *x.shape[2:])[index]
 
-    return flat(words), [flat(v) for v in self.shards.values], flat(scores), inside & flat(live)
+    shard, local = index // words.shape[1], index % words.shape[1]
+    rows = jax.vmap(lambda shard: shard._row_of(jnp.arange(shard.num_slots, dtype=jnp.int32)))(self.shards)
+    leaves = [v[shard, rows[shard, local]] for v in self.shards.values]
+    return flat(words), leaves, flat(scores), inside & flat(live)
 
   def _remove_rows(self, words, active):
     def op(shard, words, active, rows):
@@ -356,7 +359,7 @@ class ShardedTable(Table):
         )
       if np.any(owners[start:end] != shard):
         raise ValueError(f"slots: entries saved under shard {shard} belong to other shards (corrupted).")
-      check_slots(words[start:end], slots[shard], self.shards.values[0].shape[1])
+      check_slots(words[start:end], slots[shard], self.shards.num_slots)
       parts.append(np.arange(start, end))
 
     def stacked(x):

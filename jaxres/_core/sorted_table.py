@@ -93,6 +93,11 @@ class SortedTable(Storage):
     key_spec, value_spec, default = cls._specs(key, value, default)
     return _empty(capacity, key_spec, value_spec, default)
 
+  @property
+  def num_slots(self) -> int:
+    """Rows of the sorted arrays: a slot is its value row."""
+    return self.capacity
+
   def _with_capacity(self, capacity):
     return _empty(capacity, self.key_spec, self.value_spec, self.default)
 
@@ -229,5 +234,5 @@ def _empty(capacity, key_spec, value_spec, default):
     keys=jnp.zeros((capacity, key_spec.num_words), jnp.uint32),
     live=jnp.zeros((capacity,), bool),
     count=jnp.zeros((), jnp.int32),
-    **empty_fields(capacity, key_spec, value_spec, default, rows=capacity, eviction=None),
+    **empty_fields(capacity, key_spec, value_spec, default, slots=capacity, eviction=None),
   )

@@ -7,7 +7,9 @@ protocol that they share on top of four primitives:
 * ``_locate(words)``: ``(found, slot)`` of live entries;
 * ``_release(words, slot, mask)``: delete entries;
 * ``_slots()``: every slot's key words and whether it holds an entry;
-* ``_compact()``: all live entries packed at the front of ``capacity`` rows.
+* ``_row_of(slot)``: the row of ``values`` that holds a slot's value.
+
+Values are dense: ``capacity`` rows, whatever the number of slots.
 
 Each storage implements ``_upsert_rows`` (insert and find_or_insert) itself.
 """
@@ -27,13 +29,13 @@ from jaxres._core.rows import select_rows, take_rows
 from jaxres._core.table import Table
 
 
-def empty_fields(capacity: int, key_spec, value_spec, default, rows: int, eviction: Policy | None) -> dict:
-  """The fields every storage starts with: no entries, ``rows`` value rows, and a score per row
-  when the table evicts."""
+def empty_fields(capacity: int, key_spec, value_spec, default, slots: int, eviction: Policy | None) -> dict:
+  """The fields every storage starts with: no entries, ``capacity`` value rows, and a score per
+  slot when the table evicts."""
   return {
-    "values": tuple(value_spec.empty((rows,))),
+    "values": tuple(value_spec.empty((capacity,))),
     "default": tuple(default),
-    "slot_scores": jnp.zeros((rows if eviction is not None else 0,), jnp.uint32),
+    "slot_scores": jnp.zeros((slots if eviction is not None else 0,), jnp.uint32),
     "size": jnp.zeros((), jnp.int32),
     "dropped": jnp.zeros((), jnp.int32),
     "clock": jnp.zeros((), jnp.uint32),
@@ -48,7 +50,7 @@ def empty_fields(capacity: int, key_spec, value_spec, default, rows: int, evicti
 class Storage(Table):
   """A table held in one set of arrays: the row operations, written once over four primitives."""
 
-  slot_scores: jax.Array  # uint32[rows] with an eviction policy, else uint32[0]
+  slot_scores: jax.Array  # uint32[num_slots] with an eviction policy, else uint32[0]
 
   def _tick(self) -> Storage:
     return dataclasses.replace(self, clock=self.clock + jnp.uint32(1))
@@ -63,21 +65,25 @@ class Storage(Table):
       evictions=jnp.asarray(counters.get("evictions", 0), jnp.int32),
     )
 
-  @property
-  def num_slots(self) -> int:
-    return self.values[0].shape[0]
+  def _row_of(self, slot: jax.Array) -> jax.Array:
+    """The value row of each slot (the identity where slots are rows)."""
+    return slot
+
+  def _read(self, slot: jax.Array) -> list:
+    """The value leaves of ``slot``'s entries."""
+    return take_rows(self.values, self._row_of(slot))
 
   def _lookup_rows(self, words, defaults):
     found, slot = self._locate(words)
-    return select_rows(found, take_rows(self.values, slot), defaults), found
+    return select_rows(found, self._read(slot), defaults), found
 
   def _score_rows(self, words):
     found, slot = self._locate(words)
     return jnp.where(found, self._scores_by_slot()[slot], jnp.uint32(0))
 
   def _scores_by_slot(self) -> jax.Array:
-    """uint32[rows]: each slot's score (zeros for a table without eviction)."""
-    return self.slot_scores if self.eviction is not None else jnp.zeros(self.values[0].shape[:1], jnp.uint32)
+    """uint32[num_slots]: each slot's score (zeros for a table without eviction)."""
+    return self.slot_scores if self.eviction is not None else jnp.zeros((self.num_slots,), jnp.uint32)
 
   def _assign_rows(self, words, leaves, active):
     found, slot = self._locate(words)
@@ -111,7 +117,7 @@ class Storage(Table):
       rows, target = claims.pending_rows(pending, claims.chunk_size(pending.shape[0]))
       live = pending[rows] & (target < pending.shape[0])
       earliest = claims.first_per_slot(slot[rows], live)
-      old = jax.tree.unflatten(treedef, take_rows(table.values, slot[rows]))
+      old = jax.tree.unflatten(treedef, table._read(slot[rows]))
       new = jax.tree.unflatten(treedef, take_rows(leaves, rows))
       folded = jax.tree.leaves(jax.vmap(fn)(old, new))
       return table._write(slot[rows], folded, earliest), pending.at[target].set(live & ~earliest, mode="drop")
@@ -119,7 +125,7 @@ class Storage(Table):
     pending = present & ~inserted
     reduction = _exact_reduction(fn, table.value_spec)
     if reduction is not None:
-      target = jnp.where(pending, slot, table.values[0].shape[0])
+      target = jnp.where(pending, table._row_of(slot), table.capacity)
       values = tuple(getattr(v.at[target], reduction)(x, mode="drop") for v, x in zip(table.values, leaves))
       return dataclasses.replace(table, values=values)
     table, _ = jax.lax.while_loop(lambda s: jnp.any(s[1]), fold, (table, pending))
@@ -129,13 +135,14 @@ class Storage(Table):
     """Removes the entries for which ``fn(keys, values, scores)`` is True (one pass over the slots)."""
     words, live = self._slots()
     keys = self.key_spec.decode(words)
-    erase = jnp.asarray(fn(keys, self.value_spec.from_storage(list(self.values)), self._scores_by_slot()))
+    every = jnp.arange(live.shape[0], dtype=jnp.int32)
+    erase = jnp.asarray(fn(keys, self.value_spec.from_storage(self._read(every)), self._scores_by_slot()))
     if erase.shape != live.shape or erase.dtype != bool:
       raise TypeError(
         f"fn: must return bool[{live.shape[0]}] (one per slot), got {erase.dtype}{list(erase.shape)}."
       )
     erase = erase & live
-    table = self._release(words, jnp.arange(live.shape[0], dtype=jnp.int32), erase)
+    table = self._release(words, every, erase)
     return dataclasses.replace(table, size=table.size - jnp.sum(erase, dtype=jnp.int32))
 
   def _slot_rows(self, offset, size: int):
@@ -144,31 +151,33 @@ class Storage(Table):
     index = offset + jnp.arange(size, dtype=jnp.int32)
     inside = (index >= 0) & (index < live.shape[0])
     index = jnp.clip(index, 0, live.shape[0] - 1)
-    return words[index], take_rows(self.values, index), self._scores_by_slot()[index], inside & live[index]
+    return words[index], self._read(index), self._scores_by_slot()[index], inside & live[index]
 
   def _write(self, slot, rows, mask) -> Storage:
     """Overwrites the values of existing entries at ``slot`` where ``mask``."""
-    index = jnp.where(mask, slot, self.values[0].shape[0])
+    index = jnp.where(mask, self._row_of(slot), self.capacity)
     values = tuple(v.at[index].set(r, mode="drop") for v, r in zip(self.values, rows))
     return dataclasses.replace(self, values=values)
 
   def _compact(self):
     words, live = self._slots()
-    target = jnp.where(live, jnp.cumsum(live, dtype=jnp.int32) - 1, self.capacity)
-
-    def packed(x):
-      return jnp.zeros((self.capacity, *x.shape[1:]), x.dtype).at[target].set(x, mode="drop")
-
-    leaves = [packed(v) for v in self.values]
-    return packed(words), leaves, packed(self._scores_by_slot()), jnp.arange(self.capacity) < self.size
+    slot = jnp.nonzero(live, size=self.capacity, fill_value=0)[0].astype(jnp.int32)
+    valid = jnp.arange(self.capacity) < jnp.sum(live, dtype=jnp.int32)
+    zeros = [jnp.zeros_like(v) for v in self.values]
+    leaves = select_rows(valid, self._read(slot), zeros)
+    words = jnp.where(valid[:, None], words[slot], jnp.uint32(0))
+    return words, leaves, jnp.where(valid, self._scores_by_slot()[slot], jnp.uint32(0)), valid
 
   @abc.abstractmethod
   def _locate(self, words) -> tuple[jax.Array, jax.Array]:
-    """``(found bool[N], slot int32[N])`` of live entries; slot indexes ``values``."""
+    """``(found bool[N], slot int32[N])`` of live entries (a slot's value is in row ``_row_of(slot)``)."""
 
   @abc.abstractmethod
   def _release(self, words, slot, mask) -> Storage:
-    """Deletes the entries of keys ``words`` at ``slot`` where ``mask`` (unique keys)."""
+    """Deletes the entries of keys ``words`` at ``slot`` where ``mask`` (unique keys).
+
+    Called while ``size`` still counts them; the caller lowers it.
+    """
 
   @abc.abstractmethod
   def _slots(self) -> tuple[jax.Array, jax.Array]:
