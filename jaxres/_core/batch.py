@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxres._core import claims
+
 
 class Groups(NamedTuple):
   """Sorted view of a batch of N key rows (all fields have leading dim N)."""
@@ -91,7 +93,7 @@ def first_occurrence_rank(groups: Groups, selected: jax.Array) -> jax.Array:
   exactly those a one-at-a-time loop would have inserted.
   """
   in_batch_order = unsort(groups, selected.astype(jnp.int32))
-  rank = jnp.cumsum(in_batch_order) - in_batch_order
+  rank = claims.prefix_sum(in_batch_order) - in_batch_order
   return rank[groups.perm]
 
 

@@ -30,6 +30,21 @@ def chunk_size(n: int) -> int:
   return min(n, max(64, n // 8))
 
 
+def prefix_sum(x: jax.Array) -> jax.Array:
+  """int32[N]: the running total of a 1-D bool or int32 array, ``jnp.cumsum`` exactly.
+
+  A kernel on CPU, where XLA's cumsum costs about 17 ns a row.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> prefix_sum(jnp.array([True, False, True])).tolist()
+    [1, 1, 2]
+  """
+  x = x.astype(jnp.int32)
+  reference = lambda x: (jnp.cumsum(x, dtype=jnp.int32),)
+  return native.on_cpu("jaxres_prefix_sum", reference, (jax.ShapeDtypeStruct(x.shape, jnp.int32),), x)[0]
+
+
 def pending_rows(mask: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
   """Up to ``chunk`` indices of True rows, lowest first: ``(rows, target)``.
 
@@ -37,7 +52,7 @@ def pending_rows(mask: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
   pointing past the end, for scatters with ``mode="drop"``.
   """
   n = mask.shape[0]
-  position = jnp.cumsum(mask, dtype=jnp.int32) - 1
+  position = prefix_sum(mask) - 1
   keep = mask & (position < chunk)
   target = jnp.full((chunk,), n, jnp.int32)
   target = target.at[jnp.where(keep, position, chunk)].set(jnp.arange(n, dtype=jnp.int32), mode="drop")

@@ -8,6 +8,7 @@
 //   jaxres_search     SortedTable._search              (sorted_table.py)
 //   jaxres_owner      claims.owner_per_key            (claims.py)
 //   jaxres_claim      placing.claim_slots             (placing.py)
+//   jaxres_prefix_sum claims.prefix_sum               (claims.py)
 //
 // The XLA versions work in data-parallel rounds; these run the same rounds
 // one row at a time, without the per-op overhead of XLA:CPU, with software
@@ -143,7 +144,7 @@ struct Buckets {
   uint32_t* record(int64_t b) const { return records + b * width; }
   uint32_t& mask(int64_t b) const { return record(b)[bucket_size * num_words]; }
   uint32_t& overflow(int64_t b) const { return record(b)[bucket_size * num_words + 1]; }
-  int32_t row(int64_t b, int64_t s) const { return static_cast<int32_t>(record(b)[bucket_size * num_words + 2 + s]); }
+  uint32_t& row(int64_t b, int64_t s) const { return record(b)[bucket_size * num_words + 2 + s]; }
   int64_t home(const uint32_t* words) const {
     return by_buckets.mod(HashWords(words, num_words, 0));
   }
@@ -273,7 +274,7 @@ void LocateRows(const Buckets& t, const uint32_t* w, int64_t n, bool* hit, int32
       if (s >= 0) out[i] = static_cast<int32_t>(b * t.bucket_size + s);
     }
     hit[i] = s >= 0;
-    if (row) row[i] = s >= 0 ? t.row(b, s) : 0;
+    if (row) row[i] = s >= 0 ? static_cast<int32_t>(t.row(b, s)) : 0;
   }
 }
 
@@ -408,11 +409,21 @@ ffi::Error Owner(ffi::Buffer<ffi::U32> words, ffi::Buffer<ffi::PRED> mask, ffi::
   return ffi::Error::Success();
 }
 
+// claims.prefix_sum: the running total (wrapping, as XLA's int32 adds).
+ffi::Error PrefixSum(ffi::Buffer<ffi::S32> x, ffi::ResultBuffer<ffi::S32> out) {
+  uint32_t total = 0;
+  for (size_t i = 0; i < x.element_count(); ++i) {
+    total += static_cast<uint32_t>(x.typed_data()[i]);
+    out->typed_data()[i] = static_cast<int32_t>(total);
+  }
+  return ffi::Error::Success();
+}
+
 // placing.claim_slots, round for round.
 ffi::Error Claim(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> words_in, ffi::Buffer<ffi::PRED> admitted,
-                 ffi::Buffer<ffi::S32> slot_in, ffi::ResultBuffer<ffi::U32> records_out,
-                 ffi::ResultBuffer<ffi::S32> slot_out, ffi::ResultBuffer<ffi::S32> first_out,
-                 int64_t bucket_size) {
+                 ffi::Buffer<ffi::S32> slot_in, ffi::Buffer<ffi::S32> free_rows, ffi::Buffer<ffi::S32> size_in,
+                 ffi::ResultBuffer<ffi::U32> records_out, ffi::ResultBuffer<ffi::S32> slot_out,
+                 ffi::ResultBuffer<ffi::S32> first_out, ffi::ResultBuffer<ffi::S32> row_out, int64_t bucket_size) {
   uint32_t* records = records_out->typed_data();
   if (records != records_in.typed_data()) {
     std::memcpy(records, records_in.typed_data(), records_in.size_bytes());
@@ -537,6 +548,20 @@ ffi::Error Claim(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> words_i
     const int64_t distance = t.distance(home[i], t.bucket_of(slot[i]));
     for (int64_t r = 0, b = home[i]; r < distance; ++r, b = t.next(b)) t.overflow(b) += 1u;
   }
+  // Value rows (placing.take_free_rows): the k-th new key takes free_rows[size + k]; then every
+  // row reads its slot's.
+  const int64_t capacity = free_rows.dimensions()[0];
+  int64_t taken = size_in.typed_data()[0];
+  for (int64_t i = 0; i < n; ++i) {
+    if (!admitted.typed_data()[i] || first[i] != i) continue;
+    const int64_t b = t.bucket_of(slot[i]);
+    t.row(b, slot[i] - b * size) = static_cast<uint32_t>(free_rows.typed_data()[std::clamp<int64_t>(taken++, 0, capacity - 1)]);
+  }
+  int32_t* row = row_out->typed_data();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t b = t.bucket_of(slot[i]);
+    row[i] = static_cast<int32_t>(t.row(b, slot[i] - b * size));
+  }
   return ffi::Error::Success();
 }
 
@@ -577,13 +602,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresOwner, Owner,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<bool>("last"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresPrefixSum, PrefixSum,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::S32>>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresClaim, Claim,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("bucket_size"));
@@ -604,6 +635,7 @@ PyObject* Targets(PyObject*, PyObject*) {
   add("jaxres_search", JaxresSearch);
   add("jaxres_owner", JaxresOwner);
   add("jaxres_claim", JaxresClaim);
+  add("jaxres_prefix_sum", JaxresPrefixSum);
   return targets;
 }
 

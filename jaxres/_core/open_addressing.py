@@ -154,23 +154,13 @@ class OpenAddressingTable(Storage):
     layout = self.layout
     flat = layout.store(self.buckets.reshape(-1), slots, words, valid)
     flat = layout.shift_overflow(flat, layout.home(words), slots, valid, 1)
-    flat = self._take_free_rows(flat, slots, valid)
+    flat = placing.take_free_rows(layout, flat, slots, valid, self.free_rows, self.size)
     table = dataclasses.replace(self, buckets=flat.reshape(self.buckets.shape))
     table = table._write(slots, leaves, valid)
     if given is not None:
       scores = self.slot_scores.at[jnp.where(valid, slots, layout.num_slots)].set(given, mode="drop")
       table = dataclasses.replace(table, slot_scores=scores)
     return dataclasses.replace(table, size=jnp.sum(valid, dtype=jnp.int32))
-
-  def _take_free_rows(self, flat, slot, new):
-    """The records ``flat`` with a free value row given to each ``new`` entry's slot, in batch order.
-
-    ``new`` marks distinct slots, at most ``capacity - size`` of them; the
-    caller adds them to ``size``.
-    """
-    rank = jnp.cumsum(new, dtype=jnp.int32) - 1
-    row = self.free_rows[jnp.clip(self.size + rank, 0, self.capacity - 1)].astype(jnp.uint32)
-    return flat.at[jnp.where(new, self.layout.row_cell(slot), flat.size)].set(row, mode="drop")
 
   def _row_of(self, slot):
     return self.buckets.reshape(-1)[self.layout.row_cell(slot)].astype(jnp.int32)
@@ -287,8 +277,9 @@ class OpenAddressingTable(Storage):
     index = jnp.arange(words.shape[0], dtype=jnp.int32)
     # No cond around the placement for batches that admit nothing: each branch
     # would take its own copy of the whole bucket array.
-    flat, slot, first = placing.claim_slots(self.layout, self.buckets.reshape(-1), words, admitted, slot)
-    flat = self._take_free_rows(flat, slot, admitted & (first == index))
+    flat, slot, first, row = placing.claim_slots(
+      self.layout, self.buckets.reshape(-1), words, admitted, slot, self.free_rows, self.size
+    )
     table = dataclasses.replace(
       self,
       buckets=flat.reshape(self.buckets.shape),
@@ -296,25 +287,30 @@ class OpenAddressingTable(Storage):
       dropped=self.dropped + dropped,
     )
     if self.eviction is None:
-      return (*table._write_rows(words, leaves, found, admitted, slot, first, mode), None)
-    return table._upsert_evicting(words, leaves, found, admitted, new & ~admitted, slot, first, given, mode)
+      return (*table._write_rows(words, leaves, found, admitted, slot, row, first, mode), None)
+    to_evict = new & ~admitted
+    return table._upsert_evicting(words, leaves, found, admitted, to_evict, slot, row, first, given, mode)
 
-  def _write_rows(self, words, leaves, found, placed, slot, first, mode):
-    """Values of an insert or find_or_insert whose new keys (``placed``) have slots: ``(table, out)``."""
+  def _write_rows(self, words, leaves, found, placed, slot, row, first, mode):
+    """Values of an insert or find_or_insert whose new keys (``placed``) have slots: ``(table, out)``.
+
+    ``row``: the value row of each row's slot.
+    """
     index = jnp.arange(words.shape[0], dtype=jnp.int32)
     if mode == "insert":
-      return self._write(slot, leaves, claims.first_per_slot(slot, found | placed, last=True)), []
+      return self._put(row, leaves, claims.first_per_slot(slot, found | placed, last=True)), []
     defaults = [jnp.broadcast_to(d, x.shape) for d, x in zip(self.default, leaves)]
     new_values = select_rows(placed, take_rows(leaves, first), defaults)
-    table = self._write(slot, leaves, placed & (first == index))
+    table = self._put(row, leaves, placed & (first == index))
     # Found keys' values are read after the write (which leaves them as they were): a read of
     # the old array would keep it alive next to the new one, and XLA would copy it whole.
-    return table, select_rows(found, table._read(slot), new_values)
+    return table, select_rows(found, take_rows(table.values, row), new_values)
 
-  def _upsert_evicting(self, words, leaves, found, admitted, to_evict, slot, first, given, mode):
+  def _upsert_evicting(self, words, leaves, found, admitted, to_evict, slot, row, first, given, mode):
     """The rest of an upsert with an eviction policy: scores, then new keys that do not fit evict.
 
-    ``first``: the first row of each admitted key (from their placement).
+    ``row`` and ``first``: the value row of each row's slot, and the first row
+    of each admitted key (from their placement).
     """
     n = words.shape[0]
     index = jnp.arange(n, dtype=jnp.int32)
@@ -347,15 +343,17 @@ class OpenAddressingTable(Storage):
     placed = to_evict & outcome.placed[first]
     refused = to_evict & heads & outcome.refused
     slot = jnp.where(placed, outcome.slot[first], slot)
-    # Read before the new keys' values are written: a newcomer takes over its victim's row.
-    evicted_values = self._read(outcome.victim_slot)
     table = dataclasses.replace(
       self,
       buckets=outcome.flat.reshape(self.buckets.shape),
       slot_scores=outcome.scores,
       evictions=self.evictions + jnp.sum(heads & (outcome.placed | outcome.refused), dtype=jnp.int32),
     )
-    table, out = table._write_rows(words, leaves, found, admitted | placed, slot, first, mode)
+    # A newcomer takes over its victim's row; the victim's value is read before it is written.
+    victim_row = table._row_of(outcome.victim_slot)
+    evicted_values = take_rows(table.values, victim_row)
+    row = jnp.where(placed, victim_row[first], row)
+    table, out = table._write_rows(words, leaves, found, admitted | placed, slot, row, first, mode)
     offered = take_rows(leaves, last if mode == "insert" else first)
     evicted = (
       jnp.where(refused[:, None], words, outcome.victim_words),
@@ -367,12 +365,15 @@ class OpenAddressingTable(Storage):
 
   def _release(self, words, slot, mask):
     layout = self.layout
-    # The released rows go on top of the free ones: free_rows[size - released:].
-    at = self.size - jnp.sum(mask, dtype=jnp.int32) + jnp.cumsum(mask, dtype=jnp.int32) - 1
-    free_rows = self.free_rows.at[jnp.where(mask, at, self.capacity)].set(self._row_of(slot), mode="drop")
     flat = layout.unset(self.buckets.reshape(-1), slot, mask)
     flat = layout.shift_overflow(flat, layout.home(words), slot, mask, -1)
-    return dataclasses.replace(self, buckets=flat.reshape(self.buckets.shape), free_rows=free_rows)
+    table = dataclasses.replace(self, buckets=flat.reshape(self.buckets.shape))
+    # The released rows go on top of the free ones, free_rows[size - released:]. Their row
+    # cells are read from the updated records (unchanged): a read of the old ones would make
+    # XLA copy the whole array.
+    at = self.size - jnp.sum(mask, dtype=jnp.int32) + claims.prefix_sum(mask) - 1
+    free_rows = self.free_rows.at[jnp.where(mask, at, self.capacity)].set(table._row_of(slot), mode="drop")
+    return dataclasses.replace(table, free_rows=free_rows)
 
 
 def line_slots(num_words: int, lines: int = 1) -> int:

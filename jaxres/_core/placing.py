@@ -9,6 +9,9 @@ met another slot in the same cell try again with a new hash, a chunk at a time
 (a retried row first looks for its key in its current bucket, where an equal
 row of an earlier chunk may have put it). A row whose bucket is full moves to
 the next bucket. Work is O(batch): the scratch is sized by the batch.
+
+Each new key then takes a value row from the top of the table's stack of free
+rows, in batch order (:func:`take_free_rows`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,15 @@ from jaxres._core.hashing import hash_words
 _LANE_MIX = np.uint32(0x9E3779B1)
 
 
-def claim_slots(layout: Layout, flat: jax.Array, words: jax.Array, admitted: jax.Array, slot: jax.Array):
+def claim_slots(
+  layout: Layout,
+  flat: jax.Array,
+  words: jax.Array,
+  admitted: jax.Array,
+  slot: jax.Array,
+  free_rows: jax.Array,
+  size: jax.Array,
+):
   """Places the keys of the ``admitted`` rows (new keys; equal rows allowed) into free slots.
 
   Args:
@@ -33,22 +44,25 @@ def claim_slots(layout: Layout, flat: jax.Array, words: jax.Array, admitted: jax
     words: uint32[N, W] key rows.
     admitted: bool[N], rows whose key is new and fits.
     slot: int32[N], the slots of the other rows (kept).
+    free_rows: int32[capacity], the table's stack of value rows; ``size``
+      (int32[]) of them are taken, the rest are free.
 
   Returns:
-    ``(flat, slot, first)``: the records with the keys stored and the
-    overflow counts raised, the slot of every admitted row (the other rows
-    keep theirs), and for each admitted row the first row of its key (the
-    other rows: their own index).
+    ``(flat, slot, first, row)``: the records with the keys stored, their
+    value rows given and the overflow counts raised; the slot of every
+    admitted row (the other rows keep theirs); for each admitted row the
+    first row of its key (the other rows: their own index); and the value
+    row of every row's slot.
   """
   n = words.shape[0]
   records = flat.reshape(layout.num_buckets, layout.record_width)
-  results = (jax.ShapeDtypeStruct(records.shape, records.dtype), *[jax.ShapeDtypeStruct((n,), jnp.int32)] * 2)
+  results = (jax.ShapeDtypeStruct(records.shape, records.dtype), *[jax.ShapeDtypeStruct((n,), jnp.int32)] * 3)
 
-  def reference(records, *rows):
-    flat, slot, first = _claim_slots(layout, records.reshape(-1), *rows)
-    return flat.reshape(records.shape), slot, first
+  def reference(records, *args):
+    flat, slot, first, row = _claim_reference(layout, records.reshape(-1), *args)
+    return flat.reshape(records.shape), slot, first, row
 
-  records, slot, first = native.on_cpu(
+  records, slot, first, row = native.on_cpu(
     "jaxres_claim",
     reference,
     results,
@@ -56,10 +70,32 @@ def claim_slots(layout: Layout, flat: jax.Array, words: jax.Array, admitted: jax
     words,
     admitted,
     slot,
+    free_rows,
+    size,
     aliases={0: 0},
     bucket_size=layout.bucket_size,
   )
-  return records.reshape(-1), slot, first
+  return records.reshape(-1), slot, first, row
+
+
+def _claim_reference(layout, flat, words, admitted, slot, free_rows, size):
+  """:func:`claim_slots` in XLA: the reference of its kernel, and the GPU/TPU path."""
+  flat, slot, first = _claim_slots(layout, flat, words, admitted, slot)
+  new = admitted & (first == jnp.arange(words.shape[0], dtype=jnp.int32))
+  flat = take_free_rows(layout, flat, slot, new, free_rows, size)
+  return flat, slot, first, flat[layout.row_cell(slot)].astype(jnp.int32)
+
+
+def take_free_rows(layout: Layout, flat, slot, new, free_rows, size) -> jax.Array:
+  """The records ``flat`` with a value row for each ``new`` entry's slot: ``free_rows[size + k]``
+  for the ``k``-th, in batch order.
+
+  ``new`` marks distinct slots, at most ``len(free_rows) - size`` of them;
+  the caller adds them to the table's size.
+  """
+  rank = claims.prefix_sum(new) - 1
+  row = free_rows[jnp.clip(size + rank, 0, free_rows.shape[0] - 1)].astype(jnp.uint32)
+  return flat.at[jnp.where(new, layout.row_cell(slot), flat.size)].set(row, mode="drop")
 
 
 def _claim_slots(layout, flat, words, admitted, slot):

@@ -206,13 +206,13 @@ def _merge(table: SortedTable, words, rows, fresh, position):
   capacity = table.capacity
   index = jnp.arange(capacity, dtype=jnp.int32)
   dead = ~table.live & (index < table.count)
-  dead_before = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(dead, dtype=jnp.int32)])
+  dead_before = jnp.concatenate([jnp.zeros(1, jnp.int32), claims.prefix_sum(dead)])
   arrivals = (
     jnp.zeros(capacity + 1, jnp.int32).at[jnp.where(fresh, position, capacity + 1)].add(1, mode="drop")
   )
-  fresh_up_to = jnp.cumsum(arrivals, dtype=jnp.int32)  # fresh keys placed before entry i, i included
+  fresh_up_to = claims.prefix_sum(arrivals)  # fresh keys placed before entry i, i included
   old_target = jnp.where(table.live, index - dead_before[:-1] + fresh_up_to[:-1], capacity)
-  fresh_rank = jnp.cumsum(fresh, dtype=jnp.int32) - fresh
+  fresh_rank = claims.prefix_sum(fresh) - fresh
   new_target = jnp.where(fresh, position - dead_before[position] + fresh_rank, capacity)
 
   def moved(old, new):

@@ -155,8 +155,12 @@ class Storage(Table):
 
   def _write(self, slot, rows, mask) -> Storage:
     """Overwrites the values of existing entries at ``slot`` where ``mask``."""
-    index = jnp.where(mask, self._row_of(slot), self.capacity)
-    values = tuple(v.at[index].set(r, mode="drop") for v, r in zip(self.values, rows))
+    return self._put(self._row_of(slot), rows, mask)
+
+  def _put(self, row, leaves, mask) -> Storage:
+    """Writes value ``row``s (distinct where ``mask``) with ``leaves`` where ``mask``."""
+    index = jnp.where(mask, row, self.capacity)
+    values = tuple(v.at[index].set(x, mode="drop") for v, x in zip(self.values, leaves))
     return dataclasses.replace(self, values=values)
 
   def _compact(self):
