@@ -136,8 +136,9 @@ def report(results: dict, wide: dict, sweep: dict, n: int, title: str) -> str:
       f"Medians of {workloads.RUNS} timed runs, with their range; throughputs in million keys per "
       f"second. The step inserts then finds 4096 keys (half known, half new) on a table holding {n:,} "
       "keys; the 4096-key find looks up 4096 queries (half hits) per call. Bytes per entry: jaxres "
-      "counts its arrays (capacity includes room for the step's new keys); TF and dict count the "
-      "growth of the process's resident memory.",
+      "counts the arrays of a table created with capacity for exactly its entries (the timed tables "
+      "have room for the step's new keys too); TF and dict count the growth of the process's "
+      "resident memory.",
       _table(main),
       f"## {n:,} int64 keys → float32[64]",
       _table(wide_rows),
