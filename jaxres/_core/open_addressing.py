@@ -41,6 +41,7 @@ from jaxres._core.table import check_capacity
 from jaxres._core.values import ValueSpec
 
 _MAX_LOAD = 0.5  # live entries per slot at full capacity: short probe chains
+_EVICTION_BUCKET = 8  # slots per bucket of a table that evicts: a new key's candidates (measured)
 
 
 @pytree_dataclass
@@ -98,9 +99,8 @@ class OpenAddressingTable(Storage):
         broadcast.
       bucket_size: slots per bucket, fetched by one gather (1 to 32); by
         default as many as fill one 64-byte cache line with the bucket's
-        record (7 for 32-bit keys, 4 for 64-bit ones), two lines with an
-        eviction policy (15 and 10: a new key's candidates are its home
-        bucket's entries).
+        record (7 for 32-bit keys, 4 for 64-bit ones); 8 with an eviction
+        policy (a new key's candidates are its home bucket's entries).
       eviction: ``None`` (a full table refuses new keys, counted in
         ``dropped``), or ``jr.LRU()``, ``jr.LFU()``, ``jr.CustomScore()``: a
         full table evicts (see :mod:`jaxres` section on eviction). Scores take
@@ -115,7 +115,7 @@ class OpenAddressingTable(Storage):
     eviction = check_policy(eviction)
     key_spec, value_spec, default = cls._specs(key, value, default)
     if bucket_size is None:
-      bucket_size = line_slots(key_spec.num_words, lines=1 if eviction is None else 2)
+      bucket_size = line_slots(key_spec.num_words) if eviction is None else _EVICTION_BUCKET
     bucket_size = check_int(bucket_size, "bucket_size", low=1, high=32)
     return _empty(capacity, key_spec, value_spec, default, bucket_size, eviction)
 
@@ -376,14 +376,14 @@ class OpenAddressingTable(Storage):
     return dataclasses.replace(table, free_rows=free_rows)
 
 
-def line_slots(num_words: int, lines: int = 1) -> int:
-  """Slots per bucket such that a record (keys, mask, overflow count, rows) fits ``lines`` 64-byte lines.
+def line_slots(num_words: int) -> int:
+  """Slots per bucket such that a record (keys, mask, overflow count, rows) fits one 64-byte line.
 
   Example:
-    >>> line_slots(1), line_slots(2), line_slots(3), line_slots(2, lines=2)
-    (7, 4, 3, 10)
+    >>> line_slots(1), line_slots(2), line_slots(3)
+    (7, 4, 3)
   """
-  return max(1, (lines * LINE_WORDS - 2) // (num_words + 1))
+  return max(1, (LINE_WORDS - 2) // (num_words + 1))
 
 
 def check_slots(words, slots, num_slots: int) -> None:
