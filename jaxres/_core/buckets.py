@@ -76,6 +76,10 @@ class Layout:
     """Flat index of each ``slot``'s value row in the records."""
     return self.column(slot // self.bucket_size, self.row_column + slot % self.bucket_size)
 
+  def row_of(self, flat: jax.Array, slot: jax.Array) -> jax.Array:
+    """int32: the value row recorded for each ``slot``."""
+    return flat[self.row_cell(slot)].astype(jnp.int32)
+
   def keys_of(self, records: jax.Array) -> jax.Array:
     """uint32[..., bucket_size, num_words]: the key words held in records."""
     return records[..., : self.mask_column].reshape(*records.shape[:-1], self.bucket_size, self.num_words)

@@ -163,7 +163,7 @@ class OpenAddressingTable(Storage):
     return dataclasses.replace(table, size=jnp.sum(valid, dtype=jnp.int32))
 
   def _row_of(self, slot):
-    return self.buckets.reshape(-1)[self.layout.row_cell(slot)].astype(jnp.int32)
+    return self.layout.row_of(self.buckets.reshape(-1), slot)
 
   def _with_capacity(self, capacity):
     return _empty(capacity, self.key_spec, self.value_spec, self.default, self.bucket_size, self.eviction)

@@ -83,7 +83,7 @@ def _claim_reference(layout, flat, words, admitted, slot, free_rows, size):
   flat, slot, first = _claim_slots(layout, flat, words, admitted, slot)
   new = admitted & (first == jnp.arange(words.shape[0], dtype=jnp.int32))
   flat = take_free_rows(layout, flat, slot, new, free_rows, size)
-  return flat, slot, first, flat[layout.row_cell(slot)].astype(jnp.int32)
+  return flat, slot, first, layout.row_of(flat, slot)
 
 
 def take_free_rows(layout: Layout, flat, slot, new, free_rows, size) -> jax.Array:
