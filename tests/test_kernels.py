@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxres as jr
-from jaxres._core import claims, native, placing
+from jaxres._core import claims, evicting, native, placing
 from jaxres._core.storage import Storage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,20 +194,78 @@ def test_large_batches_with_lost_claims_equal_the_reference(num_words, bucket_si
     _assert_same(_owner(words, admitted, False, last), _owner(words, admitted, True, last))
 
 
+@functools.partial(jax.jit, static_argnames=("reference", "layout"))
+def _evict(layout, flat, scores, words, pending, new_score, named, reference):
+  evict = evicting._evict_reference if reference else evicting.evict
+  return evict(layout, flat, scores, words, pending, new_score, named)
+
+
+@pytest.mark.skipif(not native.ENABLED, reason="kernels off")
+@settings(max_examples=20, deadline=None)
+@given(
+  num_words=st.sampled_from([1, 2]),
+  bucket_size=st.sampled_from([1, 4, 8]),
+  protect=st.booleans(),
+  seed=st.integers(0, 2**16),
+)
+def test_evict_kernel_equals_its_reference(num_words, bucket_size, protect, seed):
+  """A full table's entries with random scores (ties included), a batch of present and new keys:
+  new keys evict in their home or next bucket, lose claims, move on, or are refused."""
+  rng = np.random.default_rng(seed)
+  table = jr.OpenAddressingTable.create(
+    48, key=KEYS[num_words], value=jnp.float32, bucket_size=bucket_size, eviction=jr.CustomScore()
+  )
+  stored = np.unique(rng.integers(0, 2**32, (48, num_words), dtype=np.uint32), axis=0)
+  table = table._upsert_rows(jnp.asarray(stored), [jnp.zeros(len(stored), jnp.float32)], None, "insert")[0]
+  fresh = np.unique(rng.integers(0, 2**32, (40, num_words), dtype=np.uint32), axis=0)
+  words = jnp.asarray(np.concatenate([stored[rng.integers(0, len(stored), 24)], fresh]))
+  found, slot = _locate(table, words, True)
+  scores = jnp.asarray(rng.integers(0, 6, table.num_slots, dtype=np.uint32))
+  pending = ~found & jnp.asarray(rng.random(words.shape[0]) < 0.9)
+  new_score = jnp.asarray(rng.integers(0, 8, words.shape[0], dtype=np.uint32))
+  named = jnp.where(found, slot, -1) if protect else None
+  args = (table.layout, table.buckets.reshape(-1), scores, words, pending, new_score, named)
+  kernel, reference = _evict(*args, reference=False), _evict(*args, reference=True)
+  _assert_same(kernel, reference)
+  assert int(np.sum(reference.placed)) > 0  # evictions happened
+
+
+@pytest.mark.skipif(not native.ENABLED, reason="kernels off")
+@pytest.mark.parametrize("protect", [False, True])
+def test_large_evicting_batches_equal_the_reference(protect):
+  """3000 new keys on a full table of 4096 entries: claims lost to other victims in the same
+  scratch cell, victims shared by several keys, rows beyond the first half-batch round."""
+  rng = np.random.default_rng(5)
+  table = jr.OpenAddressingTable.create(4096, key=KEYS[2], value=jnp.float32, eviction=jr.CustomScore())
+  stored = rng.integers(0, 2**32, (4096, 2), dtype=np.uint32)
+  table = table._upsert_rows(jnp.asarray(stored), [jnp.zeros(4096, jnp.float32)], None, "insert")[0]
+  words = jnp.asarray(np.concatenate([stored[:1000], rng.integers(0, 2**32, (3000, 2), dtype=np.uint32)]))
+  found, slot = _locate(table, words, True)
+  scores = jnp.asarray(rng.integers(0, 100, table.num_slots, dtype=np.uint32))
+  new_score = jnp.asarray(rng.integers(0, 120, words.shape[0], dtype=np.uint32))
+  named = jnp.where(found, slot, -1) if protect else None
+  args = (table.layout, table.buckets.reshape(-1), scores, words, ~found, new_score, named)
+  kernel, reference = _evict(*args, reference=False), _evict(*args, reference=True)
+  _assert_same(kernel, reference)
+  assert int(np.sum(reference.placed)) > 1000 and int(np.sum(reference.refused)) > 0
+
+
 _RUN = """
 import sys, numpy as np, jax, jax.numpy as jnp
 import jaxres as jr
 rng = np.random.default_rng(7)
 out = {}
 pair = jax.ShapeDtypeStruct((2,), jnp.uint32)
-runs = [("i32", jnp.int32, (700,), 8), ("pair", pair, (700, 2), 4), ("sorted", pair, (700, 2), None)]
-for name, key, shape, bucket_size in runs:
+runs = [("i32", jnp.int32, (700,), 8, None), ("pair", pair, (700, 2), 4, None),
+        ("sorted", pair, (700, 2), None, None),
+        ("lru", pair, (700, 2), 8, jr.LRU()), ("lfu", jnp.int32, (700,), 8, jr.LFU())]
+for name, key, shape, bucket_size, eviction in runs:
   value = jax.ShapeDtypeStruct((3,), jnp.float32)
   if bucket_size is None:
     t = jr.SortedTable.create(300, key=key, value=value)
   else:
-    t = jr.OpenAddressingTable.create(300, key=key, value=value, bucket_size=bucket_size)
-  pool = rng.integers(0, 2**31 - 1, shape).astype(np.int32 if name == "i32" else np.uint32)
+    t = jr.OpenAddressingTable.create(300, key=key, value=value, bucket_size=bucket_size, eviction=eviction)
+  pool = rng.integers(0, 2**31 - 1, shape).astype(np.int32 if key == jnp.int32 else np.uint32)
   for step in range(12):
     k = pool[rng.integers(0, 700, 64)]
     v = rng.random((64, 3), dtype=np.float32)
@@ -218,7 +276,7 @@ for name, key, shape, bucket_size in runs:
     t = t.assign(pool[rng.integers(0, 700, 16)], rng.random((16, 3), dtype=np.float32))
   for i, leaf in enumerate(jax.tree.leaves(t)):
     out[f"{name}/leaf{i}"] = np.asarray(leaf)
-  out[f"{name}/counts"] = np.array([int(t.size), int(t.dropped)])
+  out[f"{name}/counts"] = np.array([int(t.size), int(t.dropped), int(getattr(t, "evictions", 0))])
   out[f"{name}/find"] = np.asarray(t.find(pool))
   out[f"{name}/contains"] = np.asarray(t.contains(pool))
 np.savez(sys.argv[1], **out)
@@ -239,6 +297,7 @@ def test_kernels_on_and_off_leave_identical_tables(tmp_path):
     np.testing.assert_array_equal(on[name], off[name], err_msg=name)
   assert on["i32/counts"][0] > 250  # the tables filled up: dropped keys and full buckets were exercised
   assert on["i32/counts"][1] > 0
+  assert on["lru/counts"][2] > 0 and on["lfu/counts"][2] > 0  # full tables evicted
 
 
 @pytest.mark.slow

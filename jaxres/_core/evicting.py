@@ -10,7 +10,8 @@ next bucket the same way, up to ``WINDOW`` buckets; then it is refused.
 Keys choose in parallel; when several choose one entry, it goes to the lowest
 batch row (an integer scatter-min claim, deterministic on every backend) and
 the others choose again in the next round, seeing what the winners placed.
-Work per round is O(rows x bucket_size).
+Work per round is O(rows x bucket_size). On CPU a kernel (``jaxres_evict``)
+runs the same rounds one row at a time.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxres._core import claims
+from jaxres._core import claims, native
 from jaxres._core.buckets import Layout
 
 WINDOW = 2  # buckets a new key may look in: its home bucket, then the next if nothing there is lower
@@ -64,6 +65,40 @@ def evict(
       evicted, or ``None`` when scores already protect them (every named
       entry's score then equals the highest a new key can have).
   """
+  n, protect = words.shape[0], named is not None
+  records = flat.reshape(layout.num_buckets, layout.record_width)
+  results = (
+    jax.ShapeDtypeStruct(records.shape, jnp.uint32),
+    jax.ShapeDtypeStruct(scores.shape, jnp.uint32),
+    *[jax.ShapeDtypeStruct((n,), dtype) for dtype in (jnp.int32, jnp.int32, bool, bool, jnp.int32)],
+    jax.ShapeDtypeStruct(words.shape, jnp.uint32),
+    jax.ShapeDtypeStruct((n,), jnp.uint32),
+  )
+
+  def reference(records, scores, words, pending, new_score, named):
+    outcome = _evict_reference(
+      layout, records.reshape(-1), scores, words, pending, new_score, named if protect else None
+    )
+    return tuple(outcome._replace(flat=outcome.flat.reshape(records.shape)))
+
+  named = named if protect else jnp.zeros((0,), jnp.int32)
+  args = (records, scores, words, pending, new_score, named)
+  outcome = Outcome(
+    *native.on_cpu(
+      "jaxres_evict",
+      reference,
+      results,
+      *args,
+      aliases={0: 0, 1: 1},
+      bucket_size=layout.bucket_size,
+      protect=protect,
+    )
+  )
+  return outcome._replace(flat=outcome.flat.reshape(-1))
+
+
+def _evict_reference(layout, flat, scores, words, pending, new_score, named) -> Outcome:
+  """:func:`evict` in data-parallel rounds: the GPU/TPU path and the kernel's reference."""
   n = words.shape[0]
 
   def round_(state, rows, target):

@@ -9,13 +9,15 @@
 //   jaxres_owner      claims.owner_per_key            (claims.py)
 //   jaxres_claim      placing.claim_slots             (placing.py)
 //   jaxres_prefix_sum claims.prefix_sum               (claims.py)
+//   jaxres_evict      evicting.evict                  (evicting.py)
 //
 // The XLA versions work in data-parallel rounds; these run the same rounds
 // one row at a time, without the per-op overhead of XLA:CPU, with software
 // prefetching of the bucket records. The read-only kernels (locate, lookup,
 // search) split their rows over XLA's intra-op thread pool; every row is
 // computed by exactly one thread from inputs no thread writes, so results
-// never depend on scheduling. The claim kernel runs its rounds on one thread.
+// never depend on scheduling. The claim and evict kernels run their rounds on
+// one thread.
 
 #include <Python.h>
 
@@ -570,6 +572,145 @@ ffi::Error Claim(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> words_i
   return ffi::Error::Success();
 }
 
+// A set of slot numbers (non-negative int32), sized for `capacity` of them.
+class SlotSet {
+ public:
+  explicit SlotSet(int64_t capacity) : cells_(int64_t{1} << std::max(1, BitLength(2 * capacity + 1)), -1) {}
+  void insert(int32_t slot) {
+    if (slot < 0) return;
+    int64_t c = find(slot);
+    cells_[c] = slot;
+  }
+  bool contains(int32_t slot) const { return cells_[find(slot)] == slot; }
+
+ private:
+  int64_t find(int32_t slot) const {  // the cell holding `slot`, or the empty one it would take
+    const int64_t wrap = cells_.size() - 1;
+    int64_t c = (static_cast<uint32_t>(slot) * 0x9E3779B1u) & wrap;
+    while (cells_[c] >= 0 && cells_[c] != slot) c = (c + 1) & wrap;
+    return c;
+  }
+  std::vector<int32_t> cells_;
+};
+
+constexpr int32_t kWindow = 2;  // evicting.WINDOW
+
+// evicting.evict, round for round: each round the lowest pending rows (half
+// the batch first, then a chunk) choose the lowest-score eligible entry of
+// their current bucket from the records as the round found them; rows whose
+// victim is lower than their own score claim it (scratch cells, as
+// claims.lowest_writer); the winners then take their victims' slots.
+ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_in, ffi::Buffer<ffi::U32> words_in,
+                 ffi::Buffer<ffi::PRED> pending_in, ffi::Buffer<ffi::U32> new_score_in, ffi::Buffer<ffi::S32> named,
+                 ffi::ResultBuffer<ffi::U32> records_out, ffi::ResultBuffer<ffi::U32> scores_out,
+                 ffi::ResultBuffer<ffi::S32> step_out, ffi::ResultBuffer<ffi::S32> slot_out,
+                 ffi::ResultBuffer<ffi::PRED> placed_out, ffi::ResultBuffer<ffi::PRED> refused_out,
+                 ffi::ResultBuffer<ffi::S32> victim_slot_out, ffi::ResultBuffer<ffi::U32> victim_words_out,
+                 ffi::ResultBuffer<ffi::U32> victim_score_out, int64_t bucket_size, bool protect) {
+  uint32_t* records = records_out->typed_data();
+  if (records != records_in.typed_data()) std::memcpy(records, records_in.typed_data(), records_in.size_bytes());
+  uint32_t* scores = scores_out->typed_data();
+  if (scores != scores_in.typed_data()) std::memcpy(scores, scores_in.typed_data(), scores_in.size_bytes());
+  Buckets t = View(records, records_in.dimensions(), bucket_size, words_in.dimensions()[1]);
+  const int64_t n = words_in.dimensions()[0], W = t.num_words, size = bucket_size;
+  const uint32_t* words = words_in.typed_data();
+  const uint32_t* new_score = new_score_in.typed_data();
+  int32_t* step = step_out->typed_data();
+  int32_t* slot = slot_out->typed_data();
+  bool* placed = placed_out->typed_data();
+  bool* refused = refused_out->typed_data();
+  int32_t* victim_slot = victim_slot_out->typed_data();
+  uint32_t* victim_words = victim_words_out->typed_data();
+  uint32_t* victim_score = victim_score_out->typed_data();
+  std::fill(step, step + n, 0);
+  std::fill(slot, slot + n, 0);
+  std::fill(placed, placed + n, false);
+  std::fill(refused, refused + n, false);
+  std::fill(victim_slot, victim_slot + n, 0);
+  std::fill(victim_words, victim_words + n * W, 0u);
+  std::fill(victim_score, victim_score + n, 0u);
+  const int64_t num_named = protect ? named.element_count() : 0;
+  SlotSet taken(num_named + n);  // the slots a row may not evict: named by the call, or placed by it
+  for (int64_t k = 0; k < num_named; ++k) taken.insert(named.typed_data()[k]);
+  std::vector<char> pending(n);
+  std::vector<int64_t> home(n);
+  for (int64_t i = 0; i < n; ++i) {
+    pending[i] = pending_in.typed_data()[i];
+    if (pending[i]) home[i] = t.home(words + i * W);
+  }
+  std::vector<int64_t> rows, cells, bucket;
+  std::vector<int32_t> victim, scratch, writer;
+  std::vector<uint32_t> lowest;
+  std::vector<char> can;
+  for (int32_t rounds = 0; std::any_of(pending.begin(), pending.end(), [](char p) { return p; }); ++rounds) {
+    // This round's rows: the lowest pending ones, up to half the batch first, then a chunk.
+    const int64_t m = rounds == 0 ? std::max<int64_t>(1, n / 2) : ChunkSize(n);
+    rows.clear();
+    for (int64_t i = 0; i < n && static_cast<int64_t>(rows.size()) < m; ++i) {
+      if (pending[i]) rows.push_back(i);
+    }
+    const int64_t live = rows.size();
+    bucket.resize(live);
+    for (int64_t p = 0; p < live; ++p) bucket[p] = (home[rows[p]] + step[rows[p]]) % t.num_buckets;
+    victim.assign(m, 0);
+    lowest.assign(m, 0);
+    can.assign(m, 0);
+    for (int64_t p = -kAhead; p < live; ++p) {
+      if (p + kAhead < live) {  // the record and scores of a bucket ahead
+        t.prefetch(bucket[p + kAhead]);
+        __builtin_prefetch(scores + bucket[p + kAhead] * size);
+      }
+      if (p < 0) continue;
+      const int64_t b = bucket[p];
+      const uint32_t mask = t.mask(b);
+      uint32_t best = UINT32_MAX;
+      int64_t choice = 0;  // the first minimum, as argmin
+      for (int64_t s = 0; s < size; ++s) {
+        const int32_t candidate = static_cast<int32_t>(b * size + s);
+        const bool eligible = ((mask >> s) & 1u) && !(protect && taken.contains(candidate));
+        if (eligible && scores[candidate] < best) {
+          best = scores[candidate];
+          choice = s;
+        }
+      }
+      victim[p] = static_cast<int32_t>(b * size + choice);
+      lowest[p] = best;
+      can[p] = best < new_score[rows[p]];
+    }
+    const int64_t scratch_size = ScratchSize(m);
+    cells.assign(m, 0);
+    for (int64_t p = 0; p < m; ++p) cells[p] = CellOf(victim[p], rounds, scratch_size);
+    LowestWriter(cells, can, scratch_size, scratch, writer);
+    for (int64_t p = 0; p < live; ++p) {
+      const int64_t i = rows[p];
+      if (!can[p]) {
+        if (step[i] < kWindow - 1) {
+          ++step[i];  // on to the next bucket
+        } else {
+          refused[i] = true;
+          pending[i] = 0;
+        }
+        continue;
+      }
+      if (writer[p] != p) continue;  // lost its cell: chooses again next round
+      const int32_t v = victim[p];
+      const int64_t b = t.bucket_of(v), s = v - b * size;
+      uint32_t* key = t.record(b) + s * W;
+      std::memcpy(victim_words + i * W, key, W * sizeof(uint32_t));
+      for (int64_t r = 0, h = t.home(key), d = t.distance(h, b); r < d; ++r, h = t.next(h)) t.overflow(h) -= 1u;
+      std::memcpy(key, words + i * W, W * sizeof(uint32_t));
+      for (int64_t r = 0, h = home[i], d = t.distance(h, b); r < d; ++r, h = t.next(h)) t.overflow(h) += 1u;
+      scores[v] = new_score[i];
+      if (protect) taken.insert(v);
+      slot[i] = victim_slot[i] = v;
+      victim_score[i] = lowest[p];
+      placed[i] = true;
+      pending[i] = 0;
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresLocate, Locate,
@@ -624,6 +765,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresClaim, Claim,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("bucket_size"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresEvict, Evict,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Attr<int64_t>("bucket_size")
+                                  .Attr<bool>("protect"));
+
 // ------------------------------------------------------------ Python module
 
 namespace {
@@ -641,6 +802,7 @@ PyObject* Targets(PyObject*, PyObject*) {
   add("jaxres_owner", JaxresOwner);
   add("jaxres_claim", JaxresClaim);
   add("jaxres_prefix_sum", JaxresPrefixSum);
+  add("jaxres_evict", JaxresEvict);
   return targets;
 }
 
