@@ -550,8 +550,8 @@ ffi::Error Claim(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> words_i
     const int64_t distance = t.distance(home[i], t.bucket_of(slot[i]));
     for (int64_t r = 0, b = home[i]; r < distance; ++r, b = t.next(b)) t.overflow(b) += 1u;
   }
-  // Value rows (placing.take_free_rows): the k-th new key takes free_rows[size + k]; then every
-  // row reads its slot's (an admitted row's is its first row's, known without a read).
+  // Value rows (placing.take_free_rows): the k-th new key takes free_rows[size + k], and its
+  // other rows take the same; then the other rows read their slot's, once every new key has one.
   const int64_t capacity = free_rows.dimensions()[0];
   const bool* is_admitted = admitted.typed_data();
   auto cell = [&](int64_t i) -> uint32_t& {
@@ -559,15 +559,21 @@ ffi::Error Claim(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> words_i
     return t.row(b, slot[i] - b * size);
   };
   auto head = [&](int64_t i) { return is_admitted[i] && first[i] == i; };
+  int32_t* row = row_out->typed_data();
   int64_t taken = size_in.typed_data()[0];
   for (int64_t i = 0; i < n; ++i) {
     if (i + kAhead < n && head(i + kAhead)) t.prefetch(t.bucket_of(slot[i + kAhead]));
-    if (head(i)) cell(i) = static_cast<uint32_t>(free_rows.typed_data()[std::clamp<int64_t>(taken++, 0, capacity - 1)]);
+    if (head(i)) {
+      const int32_t given = free_rows.typed_data()[std::clamp<int64_t>(taken++, 0, capacity - 1)];
+      cell(i) = static_cast<uint32_t>(given);
+      row[i] = given;
+    } else if (is_admitted[i]) {
+      row[i] = row[first[i]];  // an earlier row of its key
+    }
   }
-  int32_t* row = row_out->typed_data();
   for (int64_t i = 0; i < n; ++i) {
     if (i + kAhead < n && !is_admitted[i + kAhead]) t.prefetch(t.bucket_of(slot[i + kAhead]));
-    row[i] = static_cast<int32_t>(is_admitted[i] && first[i] < i ? row[first[i]] : cell(i));
+    if (!is_admitted[i]) row[i] = static_cast<int32_t>(cell(i));
   }
   return ffi::Error::Success();
 }
