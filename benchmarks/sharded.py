@@ -3,9 +3,10 @@
 Fake CPU devices share this machine's cores, so a speed-up cannot exist here.
 The run reports what holds on any backend: that a sharded table gives exactly
 the results of an unsharded one, how evenly the entries spread, and the bytes
-each key moves between devices, read from the all-to-all collectives of the
-compiled step. Step times are printed too, as what they are: every device's
-program sharing the same cores.
+each key moves between devices in each routed call, read from the all-to-all
+collectives of the compiled calls, against one request and one reply. Step
+times are printed too, as what they are: every device's program sharing the
+same cores.
 
 Options: ``--batch`` keys per step, ``--capacity``, ``--steps``, ``--out``.
 """
@@ -25,6 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxres as jr  # noqa: E402
+from jaxres._core.sharded import owner_of, round_rows  # noqa: E402
 
 DEVICES = (1, 2, 4, 8)
 WIDTH = 8  # float32 features per row
@@ -46,16 +48,80 @@ def step(table, ids, counts):
   return table, rows
 
 
-def all_to_all_bytes(hlo: str) -> int:
-  """Bytes received by one device over the all-to-all ops of a compiled (per-device) program."""
-  total = 0
+def all_to_all_bytes(hlo: str) -> tuple[int, int]:
+  """Bytes one device receives over the all-to-alls of a compiled (per-device) program.
+
+  ``(first, later)``: those of the routing's first round (in the entry
+  computation) and of one further round (the all-to-alls inside loops).
+  """
+  first = later = 0
+  in_entry = False
   for line in hlo.splitlines():
+    if line and not line.startswith(" ") and "{" in line:
+      in_entry = line.startswith("ENTRY")
     if " all-to-all(" not in line or "=" not in line:
       continue
     result = line.split("=", 1)[1].split(" all-to-all(", 1)[0]
-    for dtype, dims in _SHAPE.findall(result):
-      total += _BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-  return total
+    total = sum(
+      _BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+      for dtype, dims in _SHAPE.findall(result)
+    )
+    if in_entry:
+      first += total
+    else:
+      later += total
+  return first, later
+
+
+def later_rounds(ids: np.ndarray, num_devices: int, once: bool) -> int:
+  """Further routing rounds a call on ``ids`` takes, replayed on the host from the routing rule.
+
+  ``once``: a device sends each distinct id once (reads, ``find_or_insert``);
+  otherwise every row (``insert_or_apply`` with a fold that order changes).
+  """
+  if num_devices == 1:
+    return 0
+  per_device = -(-ids.size // num_devices)
+  first, later = round_rows(per_device, num_devices)
+  owner = np.asarray(owner_of(jr.keys.split64(ids), num_devices))
+  most = 0
+  for device in range(num_devices):
+    rows = owner[device * per_device : (device + 1) * per_device]
+    if once:
+      rows = rows[np.unique(ids[device * per_device : (device + 1) * per_device], return_index=True)[1]]
+    count = np.bincount(rows, minlength=num_devices).max()
+    most = max(most, -(-max(count - first, 0) // later))
+  return most
+
+
+CALLS = {  # the routed calls measured: (call, whether a device sends each distinct id once)
+  "find": (lambda t, ids, values: t.find(ids), True),
+  "find_or_insert": (lambda t, ids, values: t.find_or_insert(ids, values)[1], True),
+  "insert_or_apply(add)": (lambda t, ids, values: t.insert_or_apply(ids, values, jnp.add), False),
+}
+
+
+def bytes_per_key(table, batches, num_devices: int) -> dict:
+  """Bytes each key moves between devices in each routed call, and the ideal, read from the
+  compiled programs: the first round's all-to-alls, and those of a further round times the
+  most further rounds a batch needs.
+
+  Each device receives these bytes, of which the block from itself crosses no link:
+  (d - 1) / d of it, on each of the d devices. Each row's own bytes (one request and one
+  reply) cross a link with the same odds: the ideal.
+  """
+  out = {}
+  ids, _ = batches[0]
+  values = jnp.zeros((ids.shape[0], WIDTH), jnp.float32)
+  per_device = -(-ids.shape[0] // num_devices)
+  for name, (call, once) in CALLS.items():
+    first, later = all_to_all_bytes(jax.jit(call).lower(table, ids, values).compile().as_text())
+    rounds = max(later_rounds(jr.keys.join64(np.asarray(b)), num_devices, once) for b, _ in batches)
+    moved = (first + later * rounds) * (num_devices - 1) / ids.shape[0]
+    ideal = first / (num_devices * round_rows(per_device, num_devices)[0]) * (num_devices - 1) / num_devices
+    ratio = f" ({moved / ideal:.2f}x of {ideal:.0f}; {rounds} more rounds)" if ideal else ""
+    out[f"{name} bytes/key"] = f"{moved:,.1f}{ratio}"
+  return out
 
 
 def run_steps(table, batches) -> dict:
@@ -77,10 +143,6 @@ def run_one(num_devices: int, batches, capacity: int, reference: dict) -> dict:
   mesh = jax.make_mesh((num_devices,), ("shard",), devices=jax.devices()[:num_devices])
   value = jax.ShapeDtypeStruct((WIDTH,), jnp.float32)
   table = jr.ShardedTable.create(mesh, "shard", capacity, key=jnp.int64, value=value)
-  hlo = jax.jit(step).lower(table, *batches[0]).compile().as_text()
-  # Each device receives all_to_all_bytes, of which the block from itself crosses no
-  # link: (d - 1) / d of it, on each of the d devices.
-  moved = all_to_all_bytes(hlo) * (num_devices - 1)
   run = run_steps(table, batches)
   sizes = np.asarray(run["table"].size_per_shard)
   same_rows = all(np.array_equal(a, b) for a, b in zip(run["rows"], reference["rows"], strict=True))
@@ -88,7 +150,7 @@ def run_one(num_devices: int, batches, capacity: int, reference: dict) -> dict:
     "shard capacity": table.shard_capacity,
     "entries per shard (min-max)": f"{sizes.min():,}-{sizes.max():,}",
     "dropped": int(run["table"].dropped),
-    "bytes moved per key": moved / batches[0][0].shape[0],
+    **bytes_per_key(table, batches, num_devices),
     "step ms (median)": run["step ms"],
     "equals unsharded": same_rows and run["entries"] == reference["entries"],
   }

@@ -170,3 +170,106 @@ def test_scalars_empty_batches_and_dynamic_defaults():
   assert table.find(jnp.array([[5, 6]])).tolist() == [[2.5, -1.0]]
   assert table.find(jnp.array([5, 6]), default=jnp.array([9.0, 8.0])).tolist() == [2.5, 8.0]
   assert table.contains(jnp.zeros((0,), jnp.int32)).shape == (0,)
+
+
+def _skewed_batches(rng, pool, hot, n=512):
+  """Batches where ``hot`` keys fill most rows (a few repeated very often), with padding rows."""
+  for _ in range(3):
+    keys = np.where(rng.random(n) < 0.7, rng.choice(hot, n), rng.choice(pool, n))
+    yield keys, rng.random(n) < 0.9
+
+
+def _same_calls(sharded, plain, keys, valid, rng):
+  """Every routed call on both tables: outputs compared row by row, then returned tables."""
+  n = keys.shape[0]
+  floats = jnp.asarray(rng.standard_normal((n, 2)), jnp.float32)
+  counts = jnp.asarray(rng.integers(-5, 5, (n, 2)), jnp.int32)
+  outputs = []
+  for name, call in [
+    ("find_or_insert", lambda t: t.find_or_insert(keys, {"f": floats, "i": counts}, valid=valid)),
+    ("insert", lambda t: (t.insert(keys[::2], {"f": floats[::2], "i": counts[::2]}), None)),
+    ("apply float", lambda t: (t.insert_or_apply(keys, {"f": floats, "i": counts}, _add_f), None)),
+    (
+      "assign",
+      lambda t: (t.assign(keys[1::3], {"f": floats[1::3], "i": counts[1::3]}, valid=valid[1::3]), None),
+    ),
+    ("remove", lambda t: (t.remove(keys[::7]), None)),
+    ("find", lambda t: (t, t.find(keys))),
+    ("contains", lambda t: (t, t.contains(keys))),
+  ]:
+    sharded, got = call(sharded)
+    plain, want = call(plain)
+    outputs.append((name, got, want))
+  for name, got, want in outputs:
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+  assert entries(sharded) == entries(plain)
+  return sharded, plain
+
+
+def _add_f(old, new):  # folds floats in order (not an exact reduction), sums integers
+  return {"f": old["f"] + new["f"], "i": old["i"] + new["i"]}
+
+
+_VALUE = {"f": jax.ShapeDtypeStruct((2,), jnp.float32), "i": jax.ShapeDtypeStruct((2,), jnp.int32)}
+
+
+@pytest.mark.parametrize("skew", ["hot keys", "one owner"])
+def test_skewed_batches_equal_an_unsharded_table(skew):
+  """Rows far beyond a device's share go to one owner: they take further routing rounds, and
+  every output, entry and count equals an unsharded table's."""
+  rng = np.random.default_rng(3)
+  pool = rng.integers(-(2**40), 2**40, 2000)
+  sharded = jr.ShardedTable.create(
+    mesh_of(8), "shard", 1024, key=jnp.int64, value=_VALUE, shard_capacity=1024
+  )
+  if skew == "one owner":  # every key of the batch lives on shard 0
+    pool = pool[np.asarray(owner_of(sharded.key_spec.encode(pool)[0], 8)) == 0]
+    hot = pool[:40]
+  else:
+    hot = pool[:3]
+  plain = jr.OpenAddressingTable.create(1024, key=jnp.int64, value=_VALUE)
+  for keys, valid in _skewed_batches(rng, pool, hot):
+    sharded, plain = _same_calls(sharded, plain, keys, valid, rng)
+
+
+def test_repeated_keys_with_integer_sums_and_given_scores_equal_an_unsharded_table():
+  """An exact reduction (integer add) travels once per key and device; given scores take the
+  last occurrence's; full shards evict as full tables do, reporting on the same rows."""
+  rng = np.random.default_rng(4)
+  pool = rng.integers(0, 2**31, 1000)
+  sharded = jr.ShardedTable.create(
+    mesh_of(4), "shard", 4 * 64, key=jnp.int64, value=jnp.int32, eviction=jr.CustomScore(), shard_capacity=64
+  )
+  # The oracle: per shard, an unsharded table of 64 entries fed that shard's rows in batch order,
+  # padded to the batch's length as the shard's own (the rounds of eviction follow the length).
+  shards = [jr.OpenAddressingTable.create(64, key=jnp.int64, value=jnp.int32, eviction=jr.CustomScore())] * 4
+
+  def padded(mask, *columns):
+    order = np.argsort(~mask, kind="stable")  # the shard's rows first, in batch order
+    return (*(c[order] for c in columns), np.arange(mask.size) < mask.sum())
+
+  for _ in range(3):
+    keys, more = rng.choice(pool, 400), rng.choice(pool, 200)
+    values = rng.integers(-9, 9, 400).astype(np.int32)
+    scores = rng.integers(0, 50, 400).astype(np.uint32)
+    sharded = sharded.insert_or_apply(keys, values, jnp.add, scores=scores)
+    sharded, evicted = sharded.insert_and_evict(more, values[:200], scores=scores[:200])
+    owner, owner_more = (np.asarray(owner_of(sharded.key_spec.encode(k)[0], 4)) for k in (keys, more))
+    want_keys, want_valid = np.zeros(200, np.int64), np.zeros(200, bool)
+    for s in range(4):
+      k, v, c, valid = padded(owner == s, keys, values, scores)
+      shards[s] = shards[s].insert_or_apply(k, v, jnp.add, valid=valid, scores=c)
+      mine = owner_more == s
+      k, v, c, valid = padded(mine, more, values[:200], scores[:200])
+      shards[s], part = shards[s].insert_and_evict(k, v, valid=valid, scores=c)
+      want_keys[mine] = np.asarray(part.keys)[valid]
+      want_valid[mine] = np.asarray(part.valid)[valid]
+    np.testing.assert_array_equal(np.asarray(evicted.valid), want_valid)
+    np.testing.assert_array_equal(np.asarray(evicted.keys), want_keys)
+    assert want_valid.any()  # the shards were full and evicted
+  want = {}
+  for shard in shards:
+    want.update(entries(shard))
+  assert entries(sharded) == want
+  np.testing.assert_array_equal(sharded.scores(pool), sum(np.asarray(s.scores(pool)) for s in shards))

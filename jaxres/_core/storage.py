@@ -123,7 +123,7 @@ class Storage(Table):
       return table._write(slot[rows], folded, earliest), pending.at[target].set(live & ~earliest, mode="drop")
 
     pending = present & ~inserted
-    reduction = _exact_reduction(fn, table.value_spec)
+    reduction = exact_reduction(fn, table.value_spec)
     if reduction is not None:
       target = jnp.where(pending, table._row_of(slot), table.capacity)
       values = tuple(getattr(v.at[target], reduction)(x, mode="drop") for v, x in zip(table.values, leaves))
@@ -204,8 +204,11 @@ _ORDER_FREE = {
 }
 
 
-def _exact_reduction(fn, value_spec) -> str | None:
-  """The scatter method equal to folding with ``fn``, or None to fold in order."""
+def exact_reduction(fn, value_spec) -> str | None:
+  """The scatter method equal to folding with ``fn`` (``"add"``, ``"max"``...), or None to fold in order.
+
+  Only integer leaves make a sum or product independent of the order.
+  """
   try:
     reduction = _ORDER_FREE.get(fn)
   except TypeError:  # unhashable callable
