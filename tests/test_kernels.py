@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxres as jr
-from jaxres._core import claims, evicting, native, placing
+from jaxres._core import claims, evicting, native, placing, rows
 from jaxres._core.storage import Storage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -248,6 +248,36 @@ def test_large_evicting_batches_equal_the_reference(protect):
   kernel, reference = _evict(*args, reference=False), _evict(*args, reference=True)
   _assert_same(kernel, reference)
   assert int(np.sum(reference.placed)) > 1000 and int(np.sum(reference.refused)) > 0
+
+
+@pytest.mark.skipif(not native.ENABLED, reason="kernels off")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8, jnp.uint32, jnp.float16])
+@pytest.mark.parametrize("shape", [(50,), (50, 3), (50, 2, 5)])
+def test_read_rows_kernel_equals_take(dtype, shape):
+  """Rows of leaves of several dtypes and widths, indices out of range clipped as jnp.take does."""
+  rng = np.random.default_rng(len(shape))
+  leaf = jnp.asarray(rng.integers(-100, 100, shape)).astype(dtype)
+  index = jnp.asarray(rng.integers(-5, 60, 37), jnp.int32)
+  (same,), (got,) = jax.jit(rows.read_rows)([leaf], index)
+  np.testing.assert_array_equal(np.asarray(same), np.asarray(leaf))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.take(leaf, index, axis=0, mode="clip")))
+
+
+@pytest.mark.skipif(not native.ENABLED, reason="kernels off")
+@pytest.mark.parametrize("report", ["insert_and_evict", "find_or_insert_and_evict"])
+def test_evicting_calls_update_values_in_place(report):
+  """The evicted entries' values are read before the writes, without a copy of the value array
+  (O(capacity) per call): the compiled program copies no array of the table's size."""
+  table = jr.OpenAddressingTable.create(
+    1 << 12, key=jnp.int32, value=jax.ShapeDtypeStruct((3,), jnp.float32), eviction=jr.LRU()
+  )
+  keys, values = jnp.arange(64, dtype=jnp.int32), jnp.ones((64, 3), jnp.float32)
+  call = jax.jit(lambda t, k, v: getattr(t, report)(k, v), donate_argnums=0)
+  hlo = call.lower(table, keys, values).compile().as_text()
+  copies = [
+    line for line in hlo.splitlines() if " copy(" in line and "f32[4096,3]" in line.split("=")[1][:40]
+  ]
+  assert copies == [], copies
 
 
 _RUN = """

@@ -10,6 +10,7 @@
 //   jaxres_claim      placing.claim_slots             (placing.py)
 //   jaxres_prefix_sum claims.prefix_sum               (claims.py)
 //   jaxres_evict      evicting.evict                  (evicting.py)
+//   jaxres_read_rows  rows.read_rows                  (rows.py)
 //
 // The XLA versions work in data-parallel rounds; these run the same rounds
 // one row at a time, without the per-op overhead of XLA:CPU, with software
@@ -578,6 +579,25 @@ ffi::Error Claim(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> words_i
   return ffi::Error::Success();
 }
 
+// rows.read_rows: the rows `index` (clipped) of `leaf`, and `leaf` itself as an
+// output (aliased: unchanged, in place), which the caller then writes into.
+ffi::Error ReadRows(ffi::AnyBuffer leaf, ffi::Buffer<ffi::S32> index, ffi::Result<ffi::AnyBuffer> leaf_out,
+                    ffi::Result<ffi::AnyBuffer> rows_out) {
+  const char* from = static_cast<const char*>(leaf.untyped_data());
+  if (leaf_out->untyped_data() != leaf.untyped_data()) {
+    std::memcpy(leaf_out->untyped_data(), from, leaf.size_bytes());
+  }
+  const int64_t bytes = RowBytes(leaf), count = leaf.dimensions()[0], n = index.element_count();
+  const int32_t* at = index.typed_data();
+  char* to = static_cast<char*>(rows_out->untyped_data());
+  auto row = [&](int64_t i) { return from + std::clamp<int64_t>(at[i], 0, count - 1) * bytes; };
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) PrefetchRow(row(i + kAhead), bytes);
+    CopyRow(to + i * bytes, row(i), bytes);
+  }
+  return ffi::Error::Success();
+}
+
 // A set of slot numbers (non-negative int32), sized for `capacity` of them.
 class SlotSet {
  public:
@@ -791,6 +811,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresEvict, Evict,
                                   .Attr<int64_t>("bucket_size")
                                   .Attr<bool>("protect"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresReadRows, ReadRows,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
 // ------------------------------------------------------------ Python module
 
 namespace {
@@ -809,6 +836,7 @@ PyObject* Targets(PyObject*, PyObject*) {
   add("jaxres_claim", JaxresClaim);
   add("jaxres_prefix_sum", JaxresPrefixSum);
   add("jaxres_evict", JaxresEvict);
+  add("jaxres_read_rows", JaxresReadRows);
   return targets;
 }
 

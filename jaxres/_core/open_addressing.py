@@ -35,7 +35,7 @@ from jaxres._core.args import check_int
 from jaxres._core.buckets import LINE_WORDS, Layout
 from jaxres._core.eviction import LRU, Policy, check_policy
 from jaxres._core.pytrees import pytree_dataclass, static_field
-from jaxres._core.rows import select_rows, take_rows
+from jaxres._core.rows import read_rows, select_rows, take_rows
 from jaxres._core.storage import Storage, empty_fields
 from jaxres._core.table import check_capacity
 from jaxres._core.values import ValueSpec
@@ -351,7 +351,8 @@ class OpenAddressingTable(Storage):
     )
     # A newcomer takes over its victim's row; the victim's value is read before it is written.
     victim_row = table._row_of(outcome.victim_slot)
-    evicted_values = take_rows(table.values, victim_row)
+    values, evicted_values = read_rows(table.values, victim_row)
+    table = dataclasses.replace(table, values=tuple(values))
     row = jnp.where(placed, victim_row[first], row)
     table, out = table._write_rows(words, leaves, found, admitted | placed, slot, row, first, mode)
     offered = take_rows(leaves, last if mode == "insert" else first)
