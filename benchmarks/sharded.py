@@ -73,7 +73,7 @@ def all_to_all_bytes(hlo: str) -> tuple[int, int]:
   return first, later
 
 
-def later_rounds(ids: np.ndarray, num_devices: int, once: bool) -> int:
+def later_rounds(table, ids: np.ndarray, num_devices: int, once: bool) -> int:
   """Further routing rounds a call on ``ids`` takes, replayed on the host from the routing rule.
 
   ``once``: a device sends each distinct id once (reads, ``find_or_insert``);
@@ -83,7 +83,7 @@ def later_rounds(ids: np.ndarray, num_devices: int, once: bool) -> int:
     return 0
   per_device = -(-ids.size // num_devices)
   first, later = round_rows(per_device, num_devices)
-  owner = np.asarray(owner_of(jr.keys.split64(ids), num_devices))
+  owner = np.asarray(owner_of(table.key_spec.encode(ids)[0], num_devices))  # the table's key words
   most = 0
   for device in range(num_devices):
     rows = owner[device * per_device : (device + 1) * per_device]
@@ -116,7 +116,7 @@ def bytes_per_key(table, batches, num_devices: int) -> dict:
   per_device = -(-ids.shape[0] // num_devices)
   for name, (call, once) in CALLS.items():
     first, later = all_to_all_bytes(jax.jit(call).lower(table, ids, values).compile().as_text())
-    rounds = max(later_rounds(jr.keys.join64(np.asarray(b)), num_devices, once) for b, _ in batches)
+    rounds = max(later_rounds(table, jr.keys.join64(np.asarray(b)), num_devices, once) for b, _ in batches)
     moved = (first + later * rounds) * (num_devices - 1) / ids.shape[0]
     ideal = first / (num_devices * round_rows(per_device, num_devices)[0]) * (num_devices - 1) / num_devices
     ratio = f" ({moved / ideal:.2f}x of {ideal:.0f}; {rounds} more rounds)" if ideal else ""
