@@ -165,6 +165,29 @@ def test_search_kernel_equals_its_reference(num_words, capacity, seed):
 
 
 @pytest.mark.skipif(not native.ENABLED, reason="kernels off")
+@pytest.mark.parametrize("num_words", [1, 2, 3])
+def test_sampled_search_of_large_tables_equals_its_reference(num_words):
+  """Tables of 4,096 rows or more are searched through a sample of every 64th row first:
+  keys below, above and between the rows, equal leading words, every block's edges."""
+  rng = np.random.default_rng(num_words)
+  table = jr.SortedTable.create(6000, key=KEYS[num_words], value=jnp.float32)
+  pool = rng.integers(0, 3, (5000, num_words), dtype=np.uint32) * (2**31)  # ties in leading words
+  pool[:, -1] = rng.integers(1, 2**32 - 1, 5000, dtype=np.uint32)
+  table = table._upsert_rows(jnp.asarray(pool), [jnp.zeros(5000, jnp.float32)], None, "insert")[0]
+  count = int(table.count)
+  assert count >= 4096
+  rows = np.asarray(table.keys)[:count]
+  edges = rows[np.clip(np.arange(0, count + 64, 64)[:, None] + [-1, 0, 1], 0, count - 1).reshape(-1)]
+  bumped = edges.copy()
+  bumped[:, -1] += 1  # just above each edge row (between rows)
+  extremes = np.array([[0] * num_words, [2**32 - 1] * num_words], np.uint32)
+  words = jnp.asarray(np.concatenate([edges, bumped, extremes, rows[rng.integers(0, count, 300)]]))
+  kernel, reference = _search(table, words, False), _search(table, words, True)
+  _assert_same(kernel, reference)
+  assert 0 < int(np.sum(reference[0])) < words.shape[0]
+
+
+@pytest.mark.skipif(not native.ENABLED, reason="kernels off")
 @settings(max_examples=20, deadline=None)
 @given(values=st.lists(st.integers(-(2**31), 2**31 - 1), max_size=64), as_mask=st.booleans())
 def test_prefix_sum_kernel_equals_numpy_cumsum(values, as_mask):

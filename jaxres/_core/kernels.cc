@@ -363,10 +363,28 @@ ffi::Error Lookup(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records, ffi::Buff
   return ffi::Error::Success();
 }
 
-// SortedTable._search: each key's lower bound in the sorted rows
-// [0, count), and whether the key is there. Branch-free halving whose steps
-// depend on `count` only, so a group of keys descends in lockstep and the
-// next row of each is prefetched while the others compare.
+// Lower bounds of `m` keys (`w`, rows of W words) in the sorted rows [base[g], base[g] + len) of
+// `keys`, rows at or past `count` reading as larger than any key: branch-free halving whose steps
+// depend on `len` only, so the group descends in lockstep and the next row of each is prefetched
+// while the others compare. On return base[g] is the lower bound.
+template <typename Less>
+void LowerBounds(const uint32_t* keys, int64_t W, int64_t len, int64_t m, int64_t* base, const Less& less) {
+  for (int64_t left = len; left > 1; left -= left / 2) {
+    const int64_t half = left / 2, next_half = (left - half) / 2;
+    for (int64_t g = 0; g < m; ++g) {
+      base[g] += less(g, base[g] + half) ? half : 0;
+      __builtin_prefetch(keys + (base[g] + next_half) * W);
+    }
+  }
+  for (int64_t g = 0; g < m; ++g) base[g] += len > 0 && less(g, base[g]) ? 1 : 0;
+}
+
+constexpr int64_t kSampleEvery = 64;  // rows per block of the sample a large batch searches first
+
+// SortedTable._search: each key's lower bound in the sorted rows [0, count), and whether the
+// key is there. A batch large enough to pay for it first builds a sample (every 64th row: small
+// enough to stay in cache), finds each key's block in it, then searches that block of 64 rows:
+// a few cache misses per key instead of one per level of the whole array.
 ffi::Error Search(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> sorted, ffi::Buffer<ffi::S32> count_in,
                   ffi::Buffer<ffi::U32> words, ffi::ResultBuffer<ffi::PRED> present, ffi::ResultBuffer<ffi::S32> position) {
   constexpr int64_t kGroup = 64;
@@ -374,8 +392,7 @@ ffi::Error Search(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> sorted, ffi::Buffe
   const int64_t count = std::clamp<int64_t>(count_in.typed_data()[0], 0, sorted.dimensions()[0]);
   const uint32_t* keys = sorted.typed_data();
   const uint32_t* w = words.typed_data();
-  auto less = [&](int64_t row, const uint32_t* key) {  // keys[row] < key, branch free
-    const uint32_t* a = keys + row * W;
+  auto less_than = [W](const uint32_t* a, const uint32_t* key) {  // a < key, branch free
     bool lt = false, eq = true;
     for (int64_t j = 0; j < W; ++j) {
       lt |= eq & (a[j] < key[j]);
@@ -383,20 +400,33 @@ ffi::Error Search(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> sorted, ffi::Buffe
     }
     return lt;
   };
+  const int64_t blocks = (count + kSampleEvery - 1) / kSampleEvery;
+  const bool sampled = count >= 64 * kSampleEvery && n * 8 * kSampleEvery >= count;
+  std::vector<uint32_t> sample(sampled ? blocks * W : 0);
+  for (int64_t j = 0; sampled && j < blocks; ++j) {
+    std::memcpy(sample.data() + j * W, keys + j * kSampleEvery * W, W * sizeof(uint32_t));
+  }
   ParallelFor(pool, n, kGrain, kGroup, [&](int64_t begin, int64_t end) {
     for (int64_t start = begin; start < end; start += kGroup) {
       const int64_t m = std::min(kGroup, end - start);
+      const uint32_t* group = w + start * W;
       int64_t base[kGroup] = {};
-      for (int64_t left = count; left > 1; left -= left / 2) {
-        const int64_t half = left / 2, next_half = (left - half) / 2;
-        for (int64_t g = 0; g < m; ++g) {
-          base[g] += less(base[g] + half, w + (start + g) * W) ? half : 0;
-          __builtin_prefetch(keys + (base[g] + next_half) * W);
-        }
+      if (sampled) {
+        LowerBounds(sample.data(), W, blocks, m, base, [&](int64_t g, int64_t j) {
+          return less_than(sample.data() + j * W, group + g * W);
+        });
+        // Block j-1 holds the last row below the key; the lower bound is in the 64 rows after it.
+        for (int64_t g = 0; g < m; ++g) base[g] = base[g] == 0 ? 0 : (base[g] - 1) * kSampleEvery + 1;
+        LowerBounds(keys, W, kSampleEvery, m, base, [&](int64_t g, int64_t row) {
+          return row < count && less_than(keys + row * W, group + g * W);
+        });
+      } else {
+        LowerBounds(keys, W, count, m, base, [&](int64_t g, int64_t row) {
+          return row < count && less_than(keys + row * W, group + g * W);
+        });
       }
       for (int64_t g = 0; g < m; ++g) {
-        const int64_t i = start + g;
-        const int64_t low = count > 0 && less(base[g], w + i * W) ? base[g] + 1 : base[g];
+        const int64_t i = start + g, low = std::min(base[g], count);
         position->typed_data()[i] = static_cast<int32_t>(low);
         present->typed_data()[i] = low < count && SameWords(keys + low * W, w + i * W, W);
       }
