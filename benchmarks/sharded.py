@@ -8,13 +8,23 @@ collectives of the compiled calls, against one request and one reply. Step
 times are printed too, as what they are: every device's program sharing the
 same cores.
 
-Options: ``--batch`` keys per step, ``--capacity``, ``--steps``, ``--out``.
+It also times saving and restoring a table of ``--checkpoint-entries`` random
+64-wide rows on 8 devices, and from these measurements works out, on paper,
+what 64 hosts of 8 devices would move per step and hold per shard for a
+10^9-entry table of 64 float32 per row, and how long its checkpoint would take.
+
+Options: ``--batch`` keys per step, ``--capacity``, ``--steps``,
+``--checkpoint-entries``, ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import re
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxres as jr  # noqa: E402
-from jaxres._core.sharded import owner_of, round_rows  # noqa: E402
+from jaxres._core.sharded import owner_of, round_rows, shard_capacity_for  # noqa: E402
 
 DEVICES = (1, 2, 4, 8)
 WIDTH = 8  # float32 features per row
@@ -156,6 +166,100 @@ def run_one(num_devices: int, batches, capacity: int, reference: dict) -> dict:
   }
 
 
+def checkpoint_rate(entries: int, width: int = 64, devices: int = 8) -> dict:
+  """Seconds to save and restore a ShardedTable of ``entries`` random rows, bytes written, bytes per entry."""
+  mesh = jax.make_mesh((devices,), ("shard",), devices=jax.devices()[:devices])
+  value = jax.ShapeDtypeStruct((width,), jnp.float32)
+  table = jr.ShardedTable.create(mesh, "shard", entries, key=jnp.int64, value=value)
+  rng = np.random.default_rng(1)
+  keys = rng.permutation(np.arange(entries, dtype=np.int64) * 7919 + 1)
+  fill = jax.jit(lambda t, k, v: t.insert(k, v))
+  for start in range(0, entries, 1 << 16):
+    ids = jr.keys.split64(keys[start : start + (1 << 16)])
+    table = fill(table, ids, jnp.asarray(rng.standard_normal((ids.shape[0], width)), jnp.float32))
+  jax.block_until_ready(table)
+  unsharded = jr.OpenAddressingTable.create(entries, key=jnp.int64, value=value)
+  in_memory = sum(x.nbytes for x in jax.tree.leaves(unsharded)) / entries
+  directory = tempfile.mkdtemp()
+  try:
+    path, saves = os.path.join(directory, "table"), []
+    for _ in range(3):
+      start = time.perf_counter()
+      jr.Checkpoint(table=table).save(path)
+      saves.append(time.perf_counter() - start)
+    written = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+    fresh = jr.Checkpoint(table=jr.ShardedTable.create(mesh, "shard", entries, key=jnp.int64, value=value))
+    start = time.perf_counter()
+    fresh.restore(path)
+    jax.block_until_ready(fresh.table)
+    restore = time.perf_counter() - start
+  finally:
+    shutil.rmtree(directory, ignore_errors=True)
+  assert int(fresh.table.size) == entries
+  return {
+    "save s": sorted(saves)[1],
+    "restore s": restore,
+    "written": written,
+    "entry bytes": in_memory,
+    "entries": entries,
+  }
+
+
+def further_rounds(per_device: int, devices: int) -> int:
+  """Further routing rounds a uniform batch needs, more likely than not, on ``devices`` devices.
+
+  Each of the ``devices ** 2`` (device, owner) pairs carries a binomial number
+  of rows, about Poisson with mean ``per_device / devices``; the count is the
+  first number of rounds after which fewer than one pair in two is expected
+  to have rows left.
+  """
+  first, later = round_rows(per_device, devices)
+  mean = per_device / devices
+
+  def beyond(limit: int) -> float:  # P(X > limit), X ~ Poisson(mean)
+    top = min(per_device, int(mean + 40 * math.sqrt(mean) + 40))
+    return sum(math.exp(k * math.log(mean) - mean - math.lgamma(k + 1)) for k in range(limit + 1, top + 1))
+
+  rounds = 0
+  while devices**2 * beyond(first + rounds * later) >= 0.5:
+    rounds += 1
+  return rounds
+
+
+def at_scale(batch: int, rate: dict, hosts: int = 64, per_host: int = 8, entries: int = 10**9) -> str:
+  """The paper estimate for ``hosts x per_host`` devices, from the measured figures."""
+  devices = hosts * per_host
+  shard = shard_capacity_for(entries, devices)
+  held = shard * rate["entry bytes"]
+  request, reply = 8 + 1 + 256, 256  # find_or_insert: key words, mask, a 64-float row; the row back
+  lines = [
+    f"### At scale, on paper: {hosts} hosts x {per_host} devices, 10^9 entries of 64 float32",
+    "",
+    f"- Per shard: {shard:,} entries (the sizing rule), {held / 1e9:.2f} GB at the measured "
+    f"{rate['entry bytes']:.0f} bytes per entry; {per_host * held / 1e9:.1f} GB per host.",
+  ]
+  for per_device in (batch, 4 * batch, 16 * batch):
+    first, later = round_rows(per_device, devices)
+    rounds = further_rounds(per_device, devices)
+    moved = devices * (first + rounds * later) * (request + reply)
+    ideal = per_device * (request + reply)
+    lines.append(
+      f"- `find_or_insert` of {per_device:,} distinct ids per device: {first} rows per owner in the first "
+      f"round and {rounds} further round(s) of {later} (expected for a uniform batch): "
+      f"{moved / 1e6:.2f} MB sent (and received) per device per call, {per_host * moved / 1e6:.1f} MB per "
+      f"host, {moved / ideal:.2f}x one request and one reply."
+    )
+  per_entry = rate["written"] / rate["entries"]
+  seconds = per_host * shard * per_entry / (rate["written"] / rate["save s"])
+  lines.append(
+    f"- Checkpoint: {per_entry:.0f} bytes per entry written; at the measured "
+    f"{rate['written'] / rate['save s'] / 1e6:.0f} MB/s of one process, each host writing its own "
+    f"{per_host} shards ({per_host * shard * per_entry / 1e9:.1f} GB) takes about {seconds:.0f} s, all hosts "
+    "in parallel where the storage scales with them."
+  )
+  return "\n".join(lines) + "\n"
+
+
 def report(results: dict, reference_ms: float, batch: int, capacity: int, steps: int) -> str:
   metrics = list(next(iter(results.values())))
   head = "| devices | " + " | ".join(metrics) + " |"
@@ -182,6 +286,7 @@ def main(argv=None) -> None:
   parser.add_argument("--batch", type=int, default=4096)
   parser.add_argument("--capacity", type=int, default=1 << 16)
   parser.add_argument("--steps", type=int, default=10)
+  parser.add_argument("--checkpoint-entries", type=int, default=1 << 20)
   parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
   args = parser.parse_args(argv)
   rng = np.random.default_rng(0)
@@ -193,6 +298,12 @@ def main(argv=None) -> None:
   reference = run_steps(jr.OpenAddressingTable.create(args.capacity, key=jnp.int64, value=value), batches)
   results = {d: run_one(d, batches, args.capacity, reference) for d in DEVICES}
   text = report(results, reference["step ms"], args.batch, args.capacity, args.steps)
+  rate = checkpoint_rate(args.checkpoint_entries)
+  text += (
+    f"\nCheckpoint of {rate['entries']:,} random rows of 64 float32 on 8 devices, one process: save "
+    f"{rate['save s']:.2f} s (median of 3), restore {rate['restore s']:.2f} s, "
+    f"{rate['written'] / 1e6:,.0f} MB written.\n\n" + at_scale(args.batch, rate)
+  )
   print(text)
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "sharded.md").write_text(text)
