@@ -428,14 +428,7 @@ class ShardedTable(Table):
         last = claims.owner_per_key(words, active, last=True)
         travels = ~active | (source == index)
         others = jnp.where(active & (source != index), source, per_device)  # rows that fold into their first
-        leaves = [
-          x
-          if which == "first"
-          else x[last]
-          if which == "last"
-          else getattr(x.at[others], which)(x, mode="drop")
-          for x, which in zip(leaves, pick, strict=True)
-        ]
+        leaves = [_travelling(x, which, last, others) for x, which in zip(leaves, pick, strict=True)]
       route = _Route.of(words, travels, num_shards, axis)
       rounds = lax.pmax(jnp.max(-(-jnp.maximum(route.count - block, 0) // later)), axis)
       arrays = (words, active, *leaves)
@@ -468,6 +461,15 @@ class ShardedTable(Table):
       check_vma=False,
     )(self.shards, padded(words), padded(active), [padded(x) for x in leaves])
     return dataclasses.replace(self, shards=shards), [y[:n] for y in outputs]
+
+
+def _travelling(x, which: str, last, others):
+  """The leaf a key's first row carries: its own (``"first"``), its last row's, or a reduction of all."""
+  if which == "first":
+    return x
+  if which == "last":
+    return x[last]
+  return getattr(x.at[others], which)(x, mode="drop")  # a scatter reduction into the first row
 
 
 class _Route(NamedTuple):
