@@ -1,38 +1,93 @@
-"""A ShardedTable over two local processes (jax.distributed, 4 CPU devices each, gloo)."""
+"""Sharded tables over two local processes (jax.distributed, 4 CPU devices each, gloo).
+
+Each test starts two worker processes that run one script together; they
+print one JSON line each. Checkpoints written by both are then restored here,
+in the test's own process (8 CPU devices), onto other meshes.
+"""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
+from multiprocess_table import VALUE, empty_table, table_at
+from oracle import entries, mesh_of
+
+import jaxres as jr
 
 ROOT = Path(__file__).resolve().parents[1]
 
-WORKER = """
+PRELUDE = """
 import json, sys
 import jax
-process_id, port = int(sys.argv[1]), sys.argv[2]
+process_id, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
 import jax.numpy as jnp, numpy as np
 import jaxres as jr
 
+sys.path.insert(0, ".")  # the tests' folder
 mesh = jax.make_mesh((jax.device_count(),), ("shard",))  # 8 devices, 4 per process
+replicated = lambda x: np.asarray(x.addressable_shards[0].data).tolist()
+"""
+
+SHARE_ONE_TABLE = """
 table = jr.ShardedTable.create(mesh, "shard", 256, key=jnp.int64, value=jnp.int32)
 keys = np.arange(-50, 50, dtype=np.int64) * 2**40  # the same batch on every process
 table = table.insert(keys, np.arange(100, dtype=np.int32))
 table, rows = table.find_or_insert(np.array([-50 * 2**40, 7], np.int64), np.array([-1, 77], np.int32))
 table = table.remove(keys[::2])
 found = table.find(np.array([keys[0], keys[1], 7], np.int64))
-replicated = lambda x: np.asarray(x.addressable_shards[0].data).tolist()
 print(json.dumps({
   "devices": [jax.device_count(), jax.local_device_count()],
   "size": int(table.size), "rows": replicated(rows), "found": replicated(found),
 }))
+"""
+
+SAVE_TOGETHER = """
+from jaxres._tracking import storage
+from multiprocess_table import empty_table, table_at
+root = jr.AutoTrackable()
+root.table, root.step = table_at(0, mesh), jnp.array(0)
+jr.Checkpoint(model=root).save(path + "/ckpt")
+manager = jr.CheckpointManager(path + "/run", jr.Checkpoint(model=root), max_to_keep=2)
+for step in (1, 2, 3):
+  root.table, root.step = table_at(step, mesh), jnp.array(step)
+  manager.save(step)
+manager.wait_until_finished()
+
+fresh = jr.AutoTrackable()
+status = jr.CheckpointManager(path + "/run", jr.Checkpoint(model=fresh)).restore()
+fresh.table, fresh.step = empty_table(mesh), jnp.array(-1)  # restored on attach, by both processes
+status.assert_consumed()
+jr.Checkpoint(model=fresh).save(path + "/again")  # what they restored, for the test to read
+
+contents = json.load(open(path + "/ckpt/manifest.json"))
+key = contents["nodes"]["model/table"]["arrays"]["blocks/keys"]
+blocks = storage.load_arrays(path + "/ckpt", contents["arrays"])[key]
+print(json.dumps({
+  "steps": manager.all_steps(), "size": int(fresh.table.size), "step": int(fresh.step),
+  "clock": [int(fresh.table.clock), int(root.table.clock)], "rows_read": sorted(blocks.rows),
+}))
+"""
+
+SAVE_FOREVER = """
+from multiprocess_table import table_at
+root = jr.AutoTrackable()
+manager = jr.CheckpointManager(path, jr.Checkpoint(model=root))
+for step in range(1, 1000):
+  root.table = table_at(step % 3, mesh)
+  print("saving", step, flush=True)
+  manager.save(step)
+  manager.wait_until_finished()
+  print("saved", step, flush=True)
 """
 
 
@@ -42,14 +97,13 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_two_processes_share_one_table():
+def _start(script: str, path) -> list[subprocess.Popen]:
   port = str(_free_port())
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
-  workers = [
+  return [
     subprocess.Popen(
-      [sys.executable, "-c", WORKER, str(i), port],
-      cwd=ROOT,
+      [sys.executable, "-c", PRELUDE + script, str(i), port, str(path)],
+      cwd=ROOT / "tests",
       env=env,
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
@@ -57,10 +111,84 @@ def test_two_processes_share_one_table():
     )
     for i in range(2)
   ]
+
+
+def _run_together(script: str, path="") -> list[dict]:
+  workers = _start(script, path)
   outputs = [w.communicate(timeout=300) for w in workers]
   for worker, (_, err) in zip(workers, outputs):
     assert worker.returncode == 0, err[-3000:]
-  results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+  return [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+
+
+@pytest.mark.slow
+def test_two_processes_share_one_table():
+  results = _run_together(SHARE_ONE_TABLE)
   # Oracle: 100 keys inserted, one more by find_or_insert, the 50 even positions removed.
   expected = {"devices": [8, 4], "size": 51, "rows": [0, 77], "found": [0, 1, 77]}
   assert results == [expected, expected]
+
+
+@pytest.mark.slow
+def test_two_processes_save_together_and_restore_onto_other_meshes(tmp_path):
+  results = _run_together(SAVE_TOGETHER, tmp_path)
+  clock = int(table_at(3, mesh_of(8)).clock)
+  for process, result in enumerate(results):
+    assert result["steps"] == [2, 3]  # max_to_keep=2 over three steps
+    assert result["step"] == 3 and result["size"] == 300 and result["clock"] == [clock, clock]
+    assert result["rows_read"] == [4 * process + i for i in range(4)]  # each process reads its own shards
+  for name in ("ocdbt.process_0", "ocdbt.process_1"):  # and each wrote its own
+    assert any(f.is_file() and f.stat().st_size for f in (tmp_path / "ckpt" / "arrays" / name).rglob("*"))
+
+  for path, step in (("ckpt", 0), ("again", 3)):  # saved by both processes: restored here, on one
+    saved = entries(table_at(step, mesh_of(8)))
+    unsharded = jr.OpenAddressingTable.create(400, key=jnp.int64, value=VALUE)
+    for target in (empty_table(mesh_of(8)), empty_table(mesh_of(4)), unsharded):
+      root = jr.AutoTrackable()
+      root.table, root.step = target, jnp.array(-1)
+      jr.Checkpoint(model=root).restore(tmp_path / path).assert_consumed()
+      assert entries(root.table) == saved and int(root.step) == step, (path, root.table)
+
+  later = jr.AutoTrackable()
+  status = jr.CheckpointManager(tmp_path / "run", jr.Checkpoint(model=later)).restore()
+  later.table, later.step = empty_table(mesh_of(4)), jnp.array(-1)  # deferred, onto 4 devices of one process
+  status.assert_consumed()
+  assert entries(later.table) == entries(table_at(3, mesh_of(4))) and int(later.step) == 3
+  assert int(later.table.clock) == clock
+
+
+def _progress(lines):
+  """A worker's complete ``saving k`` / ``saved k`` lines as ``(word, k)``."""
+  for line in lines:
+    word, _, step = line.partition(" ")
+    if word in ("saving", "saved") and line.endswith("\n") and step.strip().isdigit():
+      yield word, int(step)
+
+
+@pytest.mark.slow
+def test_a_process_killed_during_a_save_leaves_the_previous_step_latest(tmp_path):
+  workers = _start(SAVE_FOREVER, tmp_path)
+  saved = 0
+  try:
+    for word, step in _progress(workers[1].stdout):
+      if word == "saved":
+        saved = step
+      elif step >= 3:  # two complete steps, then kill process 1 during the next save
+        time.sleep(0.05)
+        workers[1].send_signal(signal.SIGKILL)
+        break
+  finally:
+    time.sleep(1.0)
+    for worker in workers:
+      worker.kill()
+      worker.communicate()
+  assert saved >= 2
+  fresh = jr.AutoTrackable()
+  manager = jr.CheckpointManager(tmp_path, jr.Checkpoint(model=fresh))
+  latest = manager.latest_step()
+  assert latest in (saved, saved + 1)  # the save in flight is complete or invisible
+  status = manager.restore()
+  fresh.table = empty_table(mesh_of(8))
+  status.assert_consumed()
+  assert entries(fresh.table) == entries(table_at(latest % 3, mesh_of(8)))
+  manager.close()

@@ -9,6 +9,15 @@ eviction policy adds ``scores`` (``uint32[n]``) and the scalars ``clock`` and
 form restores into any table with the same keys and values, whatever its
 capacity or number of shards.
 
+A table whose shards may live on several processes stores them as *blocks*
+instead, so that each process writes and reads whole shards of global arrays
+(see :mod:`hosts`): ``blocks/keys`` (the key words, ``uint32[shards, width,
+words]``), ``blocks/values...`` (the stored value leaves), ``blocks/scores``
+and ``blocks/slots``, where row ``i`` holds shard ``i``'s live entries first
+and ``counts[i]`` says how many; empty ``keys`` and ``values...`` arrays record
+the exact dtypes. A process may then read only some shards: the entries it
+holds are :attr:`Saved.complete` or not.
+
 An open-addressing table also stores where each entry sits (``slots``,
 ``int32[n]``) and the shape those numbers refer to (``layout``). Restored
 into a table of that same shape, the entries go back to their slots, so the
@@ -23,9 +32,12 @@ import re
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jaxres._core import codec
 from jaxres._core.codec import KeySpec
+from jaxres._core.hosts import Blocks
 from jaxres._core.pytrees import leaf_names
 from jaxres._core.values import ValueSpec
 
@@ -35,6 +47,8 @@ _SHARD = re.compile(r"shards/(\d+)/(.+)")
 Entries = tuple[np.ndarray, list[np.ndarray], np.ndarray | None, np.ndarray | None]
 _COUNTERS = ("clock", "evictions")
 _LAYOUT = "layout"
+_COUNTS = "counts"
+_BLOCK = "blocks/"
 
 
 class Saved(NamedTuple):
@@ -46,6 +60,7 @@ class Saved(NamedTuple):
   counters: dict
   layout: np.ndarray | None  # the shape ``slots`` refer to
   slots: list[np.ndarray] | None  # per shard, in the order of ``keys``
+  complete: bool = True  # False: other processes read the other shards' entries
 
 
 def value_names(value_spec: ValueSpec) -> list[str]:
@@ -83,6 +98,88 @@ def to_arrays(
   return out
 
 
+def to_blocks(blocks: dict, counts: np.ndarray, key_spec: KeySpec, value_spec: ValueSpec, **extra) -> dict:
+  """The named arrays of a table stored as blocks (see above).
+
+  Args:
+    blocks: ``"keys"`` (the key words), ``"values"`` (the stored value
+      leaves), and with an eviction policy or a kept layout ``"scores"`` and
+      ``"slots"``: arrays ``[shards, width, ...]`` (global arrays on several
+      processes), each row a shard's live entries first.
+    counts: ``int[shards]``, each shard's live entries.
+    extra: ``counters`` and ``layout`` as for :func:`to_arrays`.
+  """
+  out = to_arrays([_prototype(key_spec, value_spec)], value_spec, extra.get("counters"), extra.get("layout"))
+  out[_COUNTS] = np.asarray(counts, np.int32)
+  out[_BLOCK + "keys"] = blocks["keys"]
+  out |= {_BLOCK + name: leaf for name, leaf in zip(value_names(value_spec), blocks["values"])}
+  out |= {_BLOCK + field: blocks[field] for field in ("scores", "slots") if blocks.get(field) is not None}
+  return out
+
+
+def count(arrays) -> int:
+  """How many entries the arrays of a table hold (over every process)."""
+  if _COUNTS in arrays:
+    return int(np.sum(arrays[_COUNTS]))
+  return sum(len(array) for name, array in arrays.items() if field_of(name) == "keys")
+
+
+def _prototype(key_spec: KeySpec, value_spec: ValueSpec) -> Entries:
+  """No entries, in the exact dtypes: what records them beside blocks of words."""
+  leaves = [np.zeros((0, *leaf.shape), leaf.dtype) for leaf in value_spec.leaves]
+  return np.zeros((0, *key_spec.shape), key_spec.dtype), leaves, None, None
+
+
+def _unblocked(arrays, key_spec: KeySpec) -> tuple[dict, bool]:
+  """Blocks turned into the per-shard form (``shards/<i>/...``) for the shards this process holds.
+
+  Returns the arrays and whether every shard is there.
+  """
+  counts = np.asarray(arrays[_COUNTS])
+  blocks = {name.removeprefix(_BLOCK): array for name, array in arrays.items() if name.startswith(_BLOCK)}
+  plain = {name: array for name, array in arrays.items() if name != _COUNTS and not name.startswith(_BLOCK)}
+  shapes = {
+    field: block.shape if isinstance(block, Blocks) else np.shape(block) for field, block in blocks.items()
+  }
+  if (
+    "keys" not in blocks
+    or "keys" not in plain
+    or counts.ndim != 1
+    or any(len(shape) < 2 or shape[0] != len(counts) for shape in shapes.values())
+  ):
+    raise TypeError(f"expected the blocks of a table's shards, got {sorted(arrays)}.")
+  _check_keys(np.asarray(plain["keys"]), key_spec)
+  if shapes["keys"][-1] != key_spec.num_words:
+    words = shapes["keys"][-1]
+    raise ValueError(f"blocks/keys: {words} words per key, expected {key_spec.num_words} (corrupted).")
+  words = blocks["keys"]
+  held = sorted(words.rows) if isinstance(words, Blocks) else range(len(counts))
+  out = {name: array for name, array in plain.items() if field_of(name) not in ("keys", "values")}
+  for shard in held:
+    live = int(counts[shard])
+    for field, block in blocks.items():
+      rows = (block.rows[shard] if isinstance(block, Blocks) else np.asarray(block)[shard])[:live]
+      if field == "keys":
+        rows = np.asarray(key_spec.decode(jnp.asarray(rows)))
+      elif field in plain:  # a value leaf, stored as the table stores it
+        rows = _exact(rows, np.asarray(plain[field]).dtype)
+      out[f"shards/{shard}/{field}"] = rows
+  return out, len(held) == len(counts)
+
+
+def _exact(rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
+  """Stored value rows in their exact dtype (64-bit integers stored as word pairs joined)."""
+  if np.dtype(dtype).kind in "iu" and np.dtype(dtype).itemsize == 8 and rows.dtype == np.uint32:
+    return codec.join64_host(rows, dtype)
+  return rows
+
+
+def _check_keys(keys: np.ndarray, key_spec: KeySpec) -> None:
+  if keys.dtype != key_spec.dtype or keys.shape[1:] != key_spec.shape:
+    saved = f"{keys.dtype}{list(keys.shape[1:]) if keys.ndim > 1 else ''}"
+    raise ValueError(f"keys: the checkpoint holds {saved} keys, the table {key_spec} keys.")
+
+
 def from_arrays(arrays, key_spec: KeySpec, value_spec: ValueSpec) -> Saved:
   """The :class:`Saved` entries of :func:`to_arrays` output, checked against the specs.
 
@@ -93,6 +190,9 @@ def from_arrays(arrays, key_spec: KeySpec, value_spec: ValueSpec) -> Saved:
     TypeError: the arrays are not those of a table (other names).
     ValueError: keys or values of another dtype or shape than the specs.
   """
+  complete = True
+  if _COUNTS in arrays:
+    arrays, complete = _unblocked(arrays, key_spec)
   expected = ["keys", *value_names(value_spec)]
   counters = {name: int(np.asarray(arrays[name])) for name in _COUNTERS if name in arrays}
   shards: dict[int, dict[str, np.ndarray]] = {}
@@ -106,13 +206,16 @@ def from_arrays(arrays, key_spec: KeySpec, value_spec: ValueSpec) -> Saved:
   placed = _LAYOUT in arrays and all("slots" in fields for fields in shards.values())
   want = sorted(expected + ["scores"] * scored + ["slots"] * placed)
   mixed = -1 in shards and len(shards) > 1
-  if not shards or mixed or any(sorted(fields) != want for fields in shards.values()):
+  if (not shards and complete) or mixed or any(sorted(fields) != want for fields in shards.values()):
     raise TypeError(f"expected the arrays of a table, {expected}, got {sorted(arrays)}.")
   parts = [shards[i] for i in sorted(shards)]
+  if not parts:  # this process read no shard
+    keys, leaves, _, _ = _prototype(key_spec, value_spec)
+    empty = dict(zip(expected, [keys, *leaves]))
+    empty |= {"scores": np.zeros(0, np.uint32), "slots": np.zeros(0, np.int32)}
+    parts = [{field: empty[field] for field in want}]
   keys = np.concatenate([part["keys"] for part in parts])
-  if keys.dtype != key_spec.dtype or keys.shape[1:] != key_spec.shape:
-    saved = f"{keys.dtype}{list(keys.shape[1:]) if keys.ndim > 1 else ''}"
-    raise ValueError(f"keys: the checkpoint holds {saved} keys, the table {key_spec} keys.")
+  _check_keys(keys, key_spec)
   leaves = []
   for name, leaf in zip(expected[1:], value_spec.leaves):
     values = np.concatenate([part[name] for part in parts])
@@ -131,4 +234,5 @@ def from_arrays(arrays, key_spec: KeySpec, value_spec: ValueSpec) -> Saved:
   ):
     raise ValueError("slots: the checkpoint's slot numbers do not match its keys (corrupted).")
   layout = np.asarray(arrays[_LAYOUT]) if placed else None
-  return Saved(keys, jax.tree.unflatten(value_spec.treedef, leaves), scores, counters, layout, slots)
+  values = jax.tree.unflatten(value_spec.treedef, leaves)
+  return Saved(keys, values, scores, counters, layout, slots, complete)

@@ -38,7 +38,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxres._core import calls, claims, codec
+from jaxres._core import calls, claims, codec, entries, hosts
 from jaxres._core.hashing import hash_words
 from jaxres._core.open_addressing import OpenAddressingTable, check_slots
 from jaxres._core.pytrees import pytree_dataclass, static_field
@@ -339,6 +339,60 @@ class ShardedTable(Table):
     """``(words[S, C, W], leaves, scores[S, C], valid[S, C])``: each shard's entries, live first."""
     return jax.vmap(lambda shard: shard._compact())(self.shards)
 
+  def _serialize_to_arrays(self) -> dict:
+    """Each shard's live entries as blocks (see :mod:`entries`).
+
+    On several processes the blocks are global arrays, and each process
+    writes the shards of its own devices.
+    """
+    counts = hosts.replicated(self.shards.size)
+    blocks = _jit_blocks(self, max(1, int(counts.max())))
+    counters = None
+    if self.eviction is not None:
+      clock, evictions = (hosts.replicated(x) for x in (self.shards.clock, self.shards.evictions))
+      counters = {"clock": clock[0], "evictions": np.int32(evictions.sum())}
+    return entries.to_blocks(
+      blocks, counts, self.key_spec, self.value_spec, counters=counters, layout=self._layout_shape()
+    )
+
+  def _blocks(self, width: int) -> dict:
+    """``[shards, width, ...]`` arrays split over the mesh axis: each shard's live entries first."""
+
+    def one(shard):
+      words, leaves, scores, _ = shard._compact()
+      block = {"keys": words[:width], "values": [x[:width] for x in leaves]}
+      if self.eviction is not None:
+        block["scores"] = scores[:width]
+      if self._layout_shape() is not None:  # live slots in export order, as _live_slots gives them
+        block["slots"] = jnp.nonzero(shard._slots()[1], size=width, fill_value=0)[0].astype(jnp.int32)
+      return block
+
+    blocks = jax.vmap(one)(self.shards)
+    split = NamedSharding(self.mesh, PartitionSpec(self.axis))
+    return jax.tree.map(lambda x: lax.with_sharding_constraint(x, split), blocks)
+
+  def _imported_saved(self, keys, values, scores, complete: bool) -> Table:
+    """Saved entries that each process holds a part of go to their owners without leaving their process."""
+    if complete or self.mesh.devices.size == len(self.mesh.local_devices):
+      return super()._imported_saved(keys, values, scores, complete)
+    n = len(keys)
+    words = np.asarray(self.key_spec.encode(keys, "keys")[0]).reshape(n, -1)
+    leaves = [np.asarray(x) for x in calls.value_leaves(self, values, (n,))]
+    given = [] if scores is None else [np.asarray(scores, np.uint32)]
+    local = len(self.mesh.local_devices)
+    rows = -(-int(hosts.everywhere(np.array(n)).max()) // local) * local or local
+    split = NamedSharding(self.mesh, PartitionSpec(self.axis))
+
+    def spread(x):
+      """This process's rows (padded) as its part of a global array split over the axis."""
+      padded = np.zeros((rows, *x.shape[1:]), x.dtype)
+      padded[:n] = x
+      return jax.make_array_from_process_local_data(split, padded, (rows * jax.process_count(), *x.shape[1:]))
+
+    words, active, *rest = (spread(x) for x in (words, np.ones(n, bool), *leaves, *given))
+    leaves, given = (rest[:-1], rest[-1]) if scores is not None else (rest, None)
+    return self._imported_rows(words, leaves, active, given)
+
   def _live_by_shard(self):
     words, leaves, scores, valid = jax.device_get(jax.jit(ShardedTable._compact_shards)(self))
     slots = self._live_slots()
@@ -573,3 +627,6 @@ def _all_to_all(x, axis: str, num_shards: int):
   """Block ``d`` of ``x`` (split into ``num_shards`` row blocks) goes to device ``d``."""
   blocks = x.reshape(num_shards, x.shape[0] // num_shards, *x.shape[1:])
   return lax.all_to_all(blocks, axis, 0, 0).reshape(x.shape)
+
+
+_jit_blocks = jax.jit(ShardedTable._blocks, static_argnums=1)

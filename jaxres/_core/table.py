@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxres._core import calls, codec, display, entries
+from jaxres._core import calls, codec, display, entries, hosts
 from jaxres._core.args import check_int
 from jaxres._core.eviction import Evicted, Policy
 from jaxres._core.rows import select_rows
@@ -447,10 +447,13 @@ class Table(abc.ABC):
     at zero.
     """
     rows = calls.prepare(self, keys, values, valid, scores, explicit_scores=True)
-    empty = self._cleared()
     if not rows.n:
-      return empty
-    return _jit_upsert(empty, rows.words, rows.leaves, rows.active, rows.given, mode="insert")[0]
+      return self._cleared()
+    return self._imported_rows(rows.words, rows.leaves, rows.active, rows.given)
+
+  def _imported_rows(self, words, leaves, active, given) -> Table:
+    """:meth:`import_` of encoded rows: key ``words``, storage ``leaves``, ``active``, ``given`` scores."""
+    return _jit_upsert(self._cleared(), words, leaves, active, given, mode="insert")[0]
 
   def resize(self, capacity: int) -> Table:
     """The same contents (and scores) in a table of another ``capacity`` (static).
@@ -490,12 +493,13 @@ class Table(abc.ABC):
       ValueError: keys or values of other dtypes or shapes, or more entries
         than the capacity holds.
     """
-    keys, values, scores, counters, layout, slots = entries.from_arrays(
+    keys, values, scores, counters, layout, slots, complete = entries.from_arrays(
       arrays, self.key_spec, self.value_spec
     )
     keep = self.eviction is not None
     same = (
-      slots is not None
+      complete
+      and slots is not None
       and (scores is not None) == keep
       and len(keys) <= self.capacity
       and np.array_equal(layout, self._layout_shape())
@@ -507,13 +511,25 @@ class Table(abc.ABC):
         scores = None
       elif scores is None and self.eviction.takes_scores:
         scores = np.zeros(len(keys), np.uint32)
-      table = self.import_(keys, values, scores=scores)
+      table = self._imported_saved(keys, values, scores, complete)
       lost = int(table.dropped) + int(table.evictions) - (int(self.evictions) if keep else 0)
       if lost:
         raise ValueError(
           f"{len(keys)} entries do not fit a table of capacity {self.capacity} ({lost} would be lost)."
         )
     return table._restored_counters(counters) if keep and counters else table
+
+  def _imported_saved(self, keys, values, scores, complete: bool) -> Table:
+    """:meth:`import_` of saved entries; ``complete=False``: each process holds a part of them.
+
+    A table that each process holds whole takes every process's part.
+    """
+    if not complete:
+      leaves, treedef = jax.tree.flatten(values)
+      keys, *leaves = hosts.gather_rows([keys, *leaves])
+      values = jax.tree.unflatten(treedef, leaves)
+      scores = None if scores is None else hosts.gather_rows([scores])[0]
+    return self.import_(keys, values, scores=scores)
 
   def _live_by_shard(self) -> list[entries.Entries]:
     """The live entries on the host, ``(keys, value leaves, scores, slots)`` per shard, in exact dtypes."""

@@ -119,7 +119,7 @@ class LookupTable(Resource):
       name: codecs[field].fit(array, name) if (field := entries.field_of(name)) in codecs else array
       for name, array in arrays.items()
     }
-    rows = sum(len(array) for name, array in arrays.items() if entries.field_of(name) == "keys")
+    rows = entries.count(arrays)
     return self._replacing_state(self._empty(self._room_for(rows))._from_arrays(arrays))
 
   def _current(self):

@@ -3,6 +3,9 @@
 A checkpoint directory holds ``manifest.json`` (see :mod:`manifest`) and the
 arrays, written by Orbax. Saving writes to a temporary directory and renames
 it into place, so an interrupted save never replaces a complete checkpoint.
+With several processes, all save and restore together: each writes its own
+shards of row-split arrays (see :mod:`storage`), and process 0 writes the
+manifest and renames the directory once every process has written.
 Restoring (see :mod:`restoring`) matches checkpointed paths with the objects
 that exist now and restores them at once; a path whose object does not exist
 yet is restored the moment an object is attached there.
@@ -13,11 +16,13 @@ from __future__ import annotations
 import glob
 import json
 import os
+import secrets
 import shutil
 import tempfile
 import time
 from typing import Any
 
+from jaxres._core import hosts
 from jaxres._shell.trackable import AutoTrackable
 from jaxres._tracking import manifest, restoring, saving, storage
 from jaxres._tracking.status import LoadStatus
@@ -86,22 +91,24 @@ class Checkpoint(AutoTrackable):
     """
     contents, arrays = collect(self._root)
     path = storage.absolute_path(path)
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    _recover(path)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.saving-", dir=parent)
+    staging = _staging(path)
     try:
       try:
         storage.save_arrays(staging, arrays)
-        with open(os.path.join(staging, manifest.MANIFEST), "w", encoding="utf-8") as f:
-          json.dump(contents, f)
-          f.flush()
-          os.fsync(f.fileno())
+        if hosts.is_primary():
+          with open(os.path.join(staging, manifest.MANIFEST), "w", encoding="utf-8") as f:
+            json.dump(contents, f)
+            f.flush()
+            os.fsync(f.fileno())
       except Exception as err:  # Orbax reports write errors as ValueError
         raise OSError(f"{path}: could not write the checkpoint, nothing was replaced ({err}).") from err
-      _replace_dir(staging, path)
+      hosts.barrier("jaxres: checkpoint written")
+      if hosts.is_primary():
+        _replace_dir(staging, path)
+      hosts.barrier("jaxres: checkpoint in place")
     except BaseException:
-      _discard(staging)
+      if hosts.is_primary():
+        _discard(staging)
       raise
     return path
 
@@ -117,7 +124,9 @@ class Checkpoint(AutoTrackable):
       (nothing is restored then).
     """
     directory = storage.absolute_path(path)
-    _recover(directory)
+    if hosts.is_primary():
+      _recover(directory)
+    hosts.barrier("jaxres: checkpoint recovered")
     contents = manifest.read(directory)
     arrays = storage.load_arrays(directory, contents["arrays"])
     return restoring.restore(self._root, manifest.Reader(contents, arrays, directory))
@@ -127,6 +136,18 @@ def collect(root: Any) -> tuple[dict, dict]:
   """``(manifest, arrays)`` of the graph below ``root`` now (arrays copied to the host)."""
   nodes, arrays = saving.collect(root)
   return manifest.build(nodes, {key: storage.spec_of(value) for key, value in arrays.items()}), arrays
+
+
+def _staging(path: str) -> str:
+  """A new directory beside ``path`` that this save writes to (made by process 0, named alike on all)."""
+  parent, name = os.path.split(path)
+  staging = os.path.join(parent, f".{name}.saving-{hosts.agreed(secrets.randbelow(2**31))}")
+  if hosts.is_primary():
+    os.makedirs(parent, exist_ok=True)
+    _recover(path)
+    os.mkdir(staging)
+  hosts.barrier("jaxres: checkpoint staged")
+  return staging
 
 
 def _replace_dir(staging: str, path: str) -> None:

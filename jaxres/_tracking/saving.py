@@ -10,16 +10,22 @@ import collections
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
+from jaxres._core import hosts
 from jaxres._tracking import paths
 from jaxres._tracking.handles import Handle, handle_for, type_name
 
 _SAVABLE = "biufc"  # bool, integer, float and complex arrays
 
 
-def collect(root: Any) -> tuple[dict[str, dict], dict[str, np.ndarray]]:
-  """``(nodes, arrays)`` of the graph below ``root``: manifest nodes and host copies of the arrays.
+def collect(root: Any) -> tuple[dict[str, dict], dict[str, np.ndarray | jax.Array]]:
+  """``(nodes, arrays)`` of the graph below ``root``: manifest nodes and copies of the arrays.
+
+  Host copies, except arrays split by rows over several processes (see :func:`_host_copy`).
 
   Raises:
     TypeError: naming the path of an object that is reachable but cannot be
@@ -74,10 +80,19 @@ def _named(path: str, action: Callable[[], Any]) -> Any:
     raise type(err)(f"{path or '<root>'}: {err}") from err
 
 
-def _host_copy(value: Any, name: str, path: str) -> np.ndarray:
-  """A NumPy copy: the save may finish asynchronously, after a jitted update donated the source."""
+def _host_copy(value: Any, name: str, path: str) -> np.ndarray | jax.Array:
+  """A copy: the save may finish asynchronously, after a jitted update donated the source.
+
+  An array partly on other processes stays a global array (copied where it
+  lives) when split by rows, so that each process writes its own; other
+  ones are gathered.
+  """
   if not isinstance(name, str) or not name:
     raise TypeError(f"{path}: array names must be non-empty str, got {name!r}.")
+  if hosts.is_partitioned(value):
+    if hosts.rows_only(value) and value.dtype.kind in _SAVABLE:
+      return jnp.copy(value)
+    value = multihost_utils.process_allgather(value, tiled=True)
   array = np.array(value, copy=True)
   if array.dtype.kind not in _SAVABLE:
     raise TypeError(

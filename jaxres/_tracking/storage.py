@@ -4,6 +4,13 @@ Arrays are saved under opaque keys (``e0``, ``e1``, ...); object paths live in
 the manifest, never in Orbax's keys, so Orbax's own key joining cannot mix up
 names that contain dots. Orbax refuses empty arrays, so those are recreated
 from their recorded shape and dtype instead of being stored.
+
+With several processes (``jax.distributed``) every process calls these
+functions together. A global array split by rows over the processes (a
+sharded table's blocks) is written shard by shard, each process its own
+(Orbax's multi-process arrays), with a checksum per row; reading it back,
+each process reads whole rows of its share (:class:`hosts.Blocks`), so no
+host holds all of it. Other arrays are written once and read by every process.
 """
 
 from __future__ import annotations
@@ -11,8 +18,12 @@ from __future__ import annotations
 import os
 import zlib
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from jaxres._core import hosts
+from jaxres._core.hosts import Blocks
 
 ARRAYS_DIR = "arrays"
 
@@ -25,16 +36,22 @@ def absolute_path(path, name: str = "path") -> str:
     raise TypeError(f"{name}: expected a str or os.PathLike, got {path!r}.") from None
 
 
-def spec_of(array: np.ndarray) -> dict:
-  """The JSON description of an array entry, with a checksum of its bytes."""
-  return {"shape": list(array.shape), "dtype": str(array.dtype), "crc32": _checksum(array)}
+def spec_of(array: np.ndarray | jax.Array) -> dict:
+  """The JSON description of an array entry, with a checksum of its bytes (of each row when split by rows)."""
+  spec = {"shape": list(array.shape), "dtype": str(array.dtype)}
+  if not hosts.is_partitioned(array):
+    return spec | {"crc32": _checksum(array)}
+  local = np.full(array.shape[0], -1, np.int64)
+  for row, data in hosts.local_rows(array).items():
+    local[row] = _checksum(data)
+  return spec | {"crc32": hosts.everywhere(local).max(axis=0).tolist()}
 
 
 def _checksum(array: np.ndarray) -> int:
   return zlib.crc32(np.ascontiguousarray(array))
 
 
-def save_arrays(directory: str, arrays: dict[str, np.ndarray]) -> None:
+def save_arrays(directory: str, arrays: dict[str, np.ndarray | jax.Array]) -> None:
   """Writes the non-empty ``arrays`` under ``directory/arrays``."""
   stored = {key: value for key, value in arrays.items() if value.size}
   if not stored:
@@ -47,18 +64,20 @@ def save_arrays(directory: str, arrays: dict[str, np.ndarray]) -> None:
     checkpointer.close()
 
 
-def load_arrays(directory: str, specs: dict[str, dict]) -> dict[str, np.ndarray]:
+def load_arrays(directory: str, specs: dict[str, dict]) -> dict[str, np.ndarray | Blocks]:
   """Reads the arrays described by ``specs`` (key -> :func:`spec_of`) as NumPy arrays.
+
+  With several processes, an array saved split by rows comes back as the
+  :class:`Blocks` of rows this process read.
 
   Raises:
     ValueError: an array is missing, or its shape, dtype or checksum differs from ``specs``.
   """
-  stored = {key for key, spec in specs.items() if np.prod(spec["shape"], dtype=np.int64)}
   restored = {}
-  if stored:
+  if targets := _targets(specs):
     checkpointer = ocp.StandardCheckpointer()
     try:
-      restored = checkpointer.restore(os.path.join(os.path.abspath(directory), ARRAYS_DIR))
+      restored = checkpointer.restore(os.path.join(os.path.abspath(directory), ARRAYS_DIR), targets)
     except Exception as err:
       raise ValueError(
         f"{directory}: cannot read the checkpoint's arrays ({type(err).__name__}: {err})."
@@ -68,22 +87,49 @@ def load_arrays(directory: str, specs: dict[str, dict]) -> dict[str, np.ndarray]
   return _fill(directory, specs, restored)
 
 
-def _fill(label: str, specs: dict[str, dict], restored: dict) -> dict[str, np.ndarray]:
+def _targets(specs: dict[str, dict]) -> dict:
+  """What Orbax reads each stored array into: NumPy, or this process's rows of a row-split one."""
+  targets = {}
+  for key, spec in specs.items():
+    shape, dtype = tuple(spec["shape"]), np.dtype(spec["dtype"])
+    if not np.prod(shape, dtype=np.int64):
+      continue
+    split = isinstance(spec.get("crc32"), list) and jax.process_count() > 1
+    if split and jax.dtypes.canonicalize_dtype(dtype) == dtype:
+      targets[key] = jax.ShapeDtypeStruct(shape, dtype, sharding=hosts.reading_sharding(shape[0]))
+    else:
+      targets[key] = np.empty(shape, dtype)
+  return targets
+
+
+def _fill(label: str, specs: dict[str, dict], restored: dict) -> dict[str, np.ndarray | Blocks]:
   """Restored arrays checked against their specs; empty arrays recreated."""
   out = {}
   for key, spec in specs.items():
     if np.prod(spec["shape"], dtype=np.int64):
       if key not in restored:
         raise ValueError(f"{label}: array {key} is missing from the checkpoint.")
-      value = np.asarray(restored[key])
+      value = restored[key]
+      if isinstance(value, jax.Array):  # this process's rows of a row-split array
+        value = Blocks(tuple(value.shape), np.dtype(value.dtype), hosts.local_rows(value))
+      else:
+        value = np.asarray(value)
     else:
       value = np.zeros(spec["shape"], spec["dtype"])
     if list(value.shape) != spec["shape"] or str(value.dtype) != spec["dtype"]:
       raise ValueError(f"{label}: array {key} is {value.dtype}{list(value.shape)}, expected {spec}.")
-    if "crc32" in spec and _checksum(value) != spec["crc32"]:
+    if "crc32" in spec and not _intact(value, spec["crc32"]):
       raise ValueError(f"{label}: array {key} is corrupted (its checksum differs from the manifest's).")
     out[key] = value
   return out
+
+
+def _intact(value: np.ndarray | Blocks, crc32: int | list[int]) -> bool:
+  """Whether ``value`` has the checksum ``crc32`` (a list: one per row; of ``Blocks``, the rows held)."""
+  if not isinstance(crc32, list):
+    return _checksum(value) == crc32
+  rows = value.rows.items() if isinstance(value, Blocks) else enumerate(value)
+  return len(crc32) == value.shape[0] and all(_checksum(row) == crc32[i] for i, row in rows)
 
 
 class StepStore:
@@ -99,7 +145,7 @@ class StepStore:
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=True)
     self._manager = ocp.CheckpointManager(os.path.abspath(directory), options=options)
 
-  def save(self, step: int, manifest: dict, arrays: dict[str, np.ndarray]) -> None:
+  def save(self, step: int, manifest: dict, arrays: dict[str, np.ndarray | jax.Array]) -> None:
     items = {"manifest": ocp.args.JsonSave(manifest)}
     stored = {key: value for key, value in arrays.items() if value.size}
     if stored:
@@ -109,7 +155,7 @@ class StepStore:
     except Exception as err:
       raise OSError(f"{self._label(step)}: could not save this step ({err}).") from err
 
-  def load(self, step: int, check_manifest) -> tuple[dict, dict[str, np.ndarray]]:
+  def load(self, step: int, check_manifest) -> tuple[dict, dict[str, np.ndarray | Blocks]]:
     """``(manifest, arrays)`` of ``step``; ``check_manifest`` vets the manifest first."""
     self.wait()
     label = self._label(step)
@@ -121,9 +167,9 @@ class StepStore:
     manifest = check_manifest(manifest, label)
     specs = manifest["arrays"]
     restored = {}
-    if any(np.prod(spec["shape"], dtype=np.int64) for spec in specs.values()):
+    if targets := _targets(specs):
       try:
-        args = ocp.args.Composite(arrays=ocp.args.StandardRestore())
+        args = ocp.args.Composite(arrays=ocp.args.StandardRestore(targets))
         restored = self._manager.restore(step, args=args)["arrays"]
       except Exception as err:
         raise ValueError(
