@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from multiprocess_table import VALUE, empty_table, table_at
 from oracle import entries, mesh_of
@@ -68,6 +69,11 @@ status = jr.CheckpointManager(path + "/run", jr.Checkpoint(model=fresh)).restore
 fresh.table, fresh.step = empty_table(mesh), jnp.array(-1)  # restored on attach, by both processes
 status.assert_consumed()
 jr.Checkpoint(model=fresh).save(path + "/again")  # what they restored, for the test to read
+
+single = jr.AutoTrackable()  # saved by the test's own process, on 8 devices
+single.table, single.step = empty_table(mesh), jnp.array(-1)
+jr.Checkpoint(model=single).restore(path + "/single").assert_consumed()
+jr.Checkpoint(model=single).save(path + "/single_again")
 
 contents = json.load(open(path + "/ckpt/manifest.json"))
 key = contents["nodes"]["model/table"]["arrays"]["blocks/keys"]
@@ -131,6 +137,9 @@ def test_two_processes_share_one_table():
 
 @pytest.mark.slow
 def test_two_processes_save_together_and_restore_onto_other_meshes(tmp_path):
+  single = jr.AutoTrackable()
+  single.table, single.step = table_at(1, mesh_of(8)), jnp.array(1)
+  jr.Checkpoint(model=single).save(tmp_path / "single")  # for the workers to restore
   results = _run_together(SAVE_TOGETHER, tmp_path)
   clock = int(table_at(3, mesh_of(8)).clock)
   for process, result in enumerate(results):
@@ -140,14 +149,23 @@ def test_two_processes_save_together_and_restore_onto_other_meshes(tmp_path):
   for name in ("ocdbt.process_0", "ocdbt.process_1"):  # and each wrote its own
     assert any(f.is_file() and f.stat().st_size for f in (tmp_path / "ckpt" / "arrays" / name).rglob("*"))
 
-  for path, step in (("ckpt", 0), ("again", 3)):  # saved by both processes: restored here, on one
+  # Saved by both processes (after restoring it from one process, for single_again): restored here.
+  for path, step in (("ckpt", 0), ("again", 3), ("single_again", 1)):
     saved = entries(table_at(step, mesh_of(8)))
     unsharded = jr.OpenAddressingTable.create(400, key=jnp.int64, value=VALUE)
+    restored = []
     for target in (empty_table(mesh_of(8)), empty_table(mesh_of(4)), unsharded):
       root = jr.AutoTrackable()
       root.table, root.step = target, jnp.array(-1)
       jr.Checkpoint(model=root).restore(tmp_path / path).assert_consumed()
       assert entries(root.table) == saved and int(root.step) == step, (path, root.table)
+      restored.append(root.table)
+    # On the saved layout every entry is back in its slot (also after two processes restored it).
+    (keys, _, _, live), (want, _, _, want_live) = (
+      t.export_batch(0, t.num_slots) for t in (restored[0], table_at(step, mesh_of(8)))
+    )
+    np.testing.assert_array_equal(live, want_live)
+    np.testing.assert_array_equal(np.asarray(keys)[np.asarray(live)], np.asarray(want)[np.asarray(live)])
 
   later = jr.AutoTrackable()
   status = jr.CheckpointManager(tmp_path / "run", jr.Checkpoint(model=later)).restore()

@@ -61,6 +61,7 @@ class Saved(NamedTuple):
   layout: np.ndarray | None  # the shape ``slots`` refer to
   slots: list[np.ndarray] | None  # per shard, in the order of ``keys``
   complete: bool = True  # False: other processes read the other shards' entries
+  shards: tuple[int, ...] = (0,)  # the saved shards these are, in order
 
 
 def value_names(value_spec: ValueSpec) -> list[str]:
@@ -235,4 +236,5 @@ def from_arrays(arrays, key_spec: KeySpec, value_spec: ValueSpec) -> Saved:
     raise ValueError("slots: the checkpoint's slot numbers do not match its keys (corrupted).")
   layout = np.asarray(arrays[_LAYOUT]) if placed else None
   values = jax.tree.unflatten(value_spec.treedef, leaves)
-  return Saved(keys, values, scores, counters, layout, slots, complete)
+  held = tuple(max(i, 0) for i in sorted(shards))  # one set of entries (no prefix) is shard 0
+  return Saved(keys, values, scores, counters, layout, slots, complete, held)

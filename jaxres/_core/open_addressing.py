@@ -142,7 +142,7 @@ class OpenAddressingTable(Storage):
   def _placed(self, keys, values, scores, slots):
     empty = self._cleared()
     rows = calls.prepare(empty, keys, values, scores=scores, explicit_scores=True)
-    (slots,) = slots
+    (slots,) = slots.values()
     check_slots(rows.words[: rows.n], slots, self.num_slots)
     if not rows.n:
       return empty

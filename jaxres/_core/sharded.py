@@ -412,45 +412,45 @@ class ShardedTable(Table):
     return [np.flatnonzero(row) for row in live]
 
   def _placed(self, keys, values, scores, slots):
-    """Each shard's saved entries into that shard, at their slots (the keys' owners are checked)."""
+    """Each of this process's shards gets its saved entries, at their slots (the keys' owners are checked)."""
     empty = self._cleared()
     words, _ = self.key_spec.encode(keys, "keys")
-    words = words.reshape(len(keys), -1)
-    leaves = calls.value_leaves(self, values, (len(keys),))
-    given = None if scores is None else jnp.asarray(scores, jnp.uint32)
-    ends = np.cumsum([0, *(len(s) for s in slots)])
-    width = max(1, *(len(s) for s in slots))
-    owners = np.asarray(owner_of(words, self.num_shards)) if len(keys) else np.zeros(0, np.int32)
-    parts = []
-    for shard, (start, end) in enumerate(itertools.pairwise(ends)):
+    words = np.asarray(words).reshape(len(keys), -1)
+    leaves = [np.asarray(x) for x in calls.value_leaves(self, values, (len(keys),))]
+    given = [] if scores is None else [np.asarray(scores, np.uint32)]
+    owners = np.asarray(owner_of(jnp.asarray(words), self.num_shards)) if len(keys) else np.zeros(0, np.int32)
+    ends = np.cumsum([0, *(len(s) for s in slots.values())])
+    parts = {}
+    for (shard, where), (start, end) in zip(slots.items(), itertools.pairwise(ends)):
       if end - start > self.shard_capacity:
         raise ValueError(
           f"{end - start} entries of shard {shard} do not fit its capacity {self.shard_capacity}."
         )
       if np.any(owners[start:end] != shard):
         raise ValueError(f"slots: entries saved under shard {shard} belong to other shards (corrupted).")
-      check_slots(words[start:end], slots[shard], self.shards.num_slots)
-      parts.append(np.arange(start, end))
+      check_slots(words[start:end], where, self.shards.num_slots)
+      parts[shard] = np.arange(start, end)
+    flat_slots = np.concatenate([np.asarray(s, np.int64) for s in slots.values()]).astype(np.int32)
+    local = self._local_shards()
+    width = max(1, int(hosts.everywhere(np.array(max(len(parts[i]) for i in local))).max()))
+    split = NamedSharding(self.mesh, PartitionSpec(self.axis))
 
     def stacked(x):
-      """Rows of every shard, padded to one width (padding is masked by ``valid``)."""
-      return jnp.stack([jnp.pad(x[p], [(0, width - len(p))] + [(0, 0)] * (x.ndim - 1)) for p in parts])
+      """This process's shards' rows, padded to one width, as its part of a global array."""
+      rows = np.stack(
+        [np.pad(x[parts[i]], [(0, width - len(parts[i]))] + [(0, 0)] * (x.ndim - 1)) for i in local]
+      )
+      return jax.make_array_from_process_local_data(split, rows, (self.num_shards, *rows.shape[1:]))
 
-    flat_slots = jnp.asarray(np.concatenate([np.asarray(s, np.int64) for s in slots]).astype(np.int32))
-    valid = jnp.stack([jnp.arange(width) < len(p) for p in parts])
-    place = jax.jit(
-      jax.vmap(lambda shard, *row: shard._place_rows(*row)),
-      out_shardings=NamedSharding(self.mesh, PartitionSpec(self.axis)),
-    )
-    shards = place(
-      empty.shards,
-      stacked(words),
-      [stacked(x) for x in leaves],
-      None if given is None else stacked(given),
-      stacked(flat_slots),
-      valid,
-    )
-    return dataclasses.replace(empty, shards=shards)
+    valid = np.arange(width) < np.array([[len(parts[i])] for i in local])
+    words, flat_slots, *rest = (stacked(x) for x in (words, flat_slots, *leaves, *given))
+    leaves, given = (rest[:-1], rest[-1]) if scores is not None else (rest, None)
+    valid = jax.make_array_from_process_local_data(split, valid, (self.num_shards, width))
+    place = jax.jit(jax.vmap(lambda shard, *row: shard._place_rows(*row)), out_shardings=split)
+    return dataclasses.replace(empty, shards=place(empty.shards, words, leaves, given, flat_slots, valid))
+
+  def _local_shards(self):
+    return sorted(hosts.local_rows(self.shards.size))
 
   # ----------------------------------------------------------- routing
 

@@ -493,19 +493,19 @@ class Table(abc.ABC):
       ValueError: keys or values of other dtypes or shapes, or more entries
         than the capacity holds.
     """
-    keys, values, scores, counters, layout, slots, complete = entries.from_arrays(
+    keys, values, scores, counters, layout, slots, complete, shards = entries.from_arrays(
       arrays, self.key_spec, self.value_spec
     )
     keep = self.eviction is not None
     same = (
-      complete
-      and slots is not None
+      slots is not None
+      and set(self._local_shards()) <= set(shards)
       and (scores is not None) == keep
       and len(keys) <= self.capacity
       and np.array_equal(layout, self._layout_shape())
     )
     if same:
-      table = self._placed(keys, values, scores, slots)
+      table = self._placed(keys, values, scores, dict(zip(shards, slots)))
     else:
       if not keep:
         scores = None
@@ -551,13 +551,19 @@ class Table(abc.ABC):
     """Per shard, the slots of the live entries (in export order), where :meth:`_layout_shape` is kept."""
     return [None]
 
-  def _placed(self, keys, values, scores, slots) -> Table:
-    """An empty table like this one holding the entries at ``slots`` (per shard); see :mod:`entries`.
+  def _placed(self, keys, values, scores, slots: dict) -> Table:
+    """An empty table like this one holding the entries at ``slots`` (shard -> its entries' slots).
 
-    Only called with a layout this table keeps (:meth:`_layout_shape`).
+    The entries are those of the shards in ``slots``, in order; they include
+    every shard of :meth:`_local_shards`. Only called with a layout this
+    table keeps (:meth:`_layout_shape`); see :mod:`entries`.
     """
     del slots
     return self.import_(keys, values, scores=scores)
+
+  def _local_shards(self) -> list[int]:
+    """The shards this process holds (a table that is not split holds its one shard, 0)."""
+    return [0]
 
   def __repr__(self) -> str:
     size = "traced" if codec.is_traced(self.size) else int(self.size)
