@@ -4,19 +4,19 @@ A table holding one set of entries is stored as ``keys`` (exact dtype,
 ``[n, *key_shape]``) and ``values`` (one array per value leaf, named by its
 key path: ``values``, or ``values/emb`` and ``values/count``); a table with an
 eviction policy adds ``scores`` (``uint32[n]``) and the scalars ``clock`` and
-``evictions``. A table split into shards stores each shard's entries under
-``shards/<i>/``, so each shard can be written by whoever holds it. Either
-form restores into any table with the same keys and values, whatever its
-capacity or number of shards.
+``evictions``.
 
-A table whose shards may live on several processes stores them as *blocks*
-instead, so that each process writes and reads whole shards of global arrays
-(see :mod:`hosts`): ``blocks/keys`` (the key words, ``uint32[shards, width,
-words]``), ``blocks/values...`` (the stored value leaves), ``blocks/scores``
-and ``blocks/slots``, where row ``i`` holds shard ``i``'s live entries first
-and ``counts[i]`` says how many; empty ``keys`` and ``values...`` arrays record
-the exact dtypes. A process may then read only some shards: the entries it
-holds are :attr:`Saved.complete` or not.
+A table split into shards (which may live on several processes) stores them
+as *blocks*, so that each process writes and reads whole shards of global
+arrays (see :mod:`hosts`): ``blocks/keys`` (the key words, ``uint32[shards,
+width, words]``), ``blocks/values...`` (the stored value leaves),
+``blocks/scores`` and ``blocks/slots``, where row ``i`` holds shard ``i``'s
+live entries first and ``counts[i]`` says how many; empty ``keys`` and
+``values...`` arrays record the exact dtypes. A process may read only some
+shards: the entries it holds are :attr:`Saved.complete` or not. (Checkpoints
+from before blocks stored shard ``i`` under ``shards/<i>/``; blocks are read
+through that form.) Every form restores into any table with the same keys and
+values, whatever its capacity or number of shards.
 
 An open-addressing table also stores where each entry sits (``slots``,
 ``int32[n]``) and the shape those numbers refer to (``layout``). Restored
@@ -77,23 +77,21 @@ def field_of(name: str) -> str:
 
 
 def to_arrays(
-  shards: list[Entries], value_spec: ValueSpec, counters: dict | None = None, layout=None
+  entries: Entries, value_spec: ValueSpec, counters: dict | None = None, layout=None
 ) -> dict[str, np.ndarray]:
-  """The named arrays of a table's entries, given shard by shard (one shard: no prefix).
+  """The named arrays of a table's entries.
 
   ``counters``: the ``clock`` and ``evictions`` of a table with an eviction
   policy; ``layout``: the shape the entries' slots refer to, if kept.
   """
-  names = value_names(value_spec)
+  keys, leaves, scores, slots = entries
   out = {name: np.asarray(value) for name, value in (counters or {}).items()}
-  for i, (keys, leaves, scores, slots) in enumerate(shards):
-    prefix = "" if len(shards) == 1 else f"shards/{i}/"
-    out[prefix + "keys"] = keys
-    out |= {prefix + name: leaf for name, leaf in zip(names, leaves)}
-    if scores is not None:
-      out[prefix + "scores"] = scores
-    if slots is not None:
-      out[prefix + "slots"] = np.asarray(slots, np.int32)
+  out["keys"] = keys
+  out |= dict(zip(value_names(value_spec), leaves))
+  if scores is not None:
+    out["scores"] = scores
+  if slots is not None:
+    out["slots"] = np.asarray(slots, np.int32)
   if layout is not None:
     out[_LAYOUT] = np.asarray(layout, np.int64)
   return out
@@ -110,7 +108,7 @@ def to_blocks(blocks: dict, counts: np.ndarray, key_spec: KeySpec, value_spec: V
     counts: ``int[shards]``, each shard's live entries.
     extra: ``counters`` and ``layout`` as for :func:`to_arrays`.
   """
-  out = to_arrays([_prototype(key_spec, value_spec)], value_spec, extra.get("counters"), extra.get("layout"))
+  out = to_arrays(_prototype(key_spec, value_spec), value_spec, extra.get("counters"), extra.get("layout"))
   out[_COUNTS] = np.asarray(counts, np.int32)
   out[_BLOCK + "keys"] = blocks["keys"]
   out |= {_BLOCK + name: leaf for name, leaf in zip(value_names(value_spec), blocks["values"])}

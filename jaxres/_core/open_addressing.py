@@ -137,7 +137,7 @@ class OpenAddressingTable(Storage):
     return np.array([1, self.buckets.shape[-2], self.bucket_size])  # shards, buckets, slots per bucket
 
   def _live_slots(self):
-    return [np.flatnonzero(jax.device_get(_jit_live(self)))]
+    return np.flatnonzero(jax.device_get(_jit_live(self)))
 
   def _placed(self, keys, values, scores, slots):
     empty = self._cleared()

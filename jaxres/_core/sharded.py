@@ -329,15 +329,11 @@ class ShardedTable(Table):
     return self._routed(op, words, active, [], pick=())[0]
 
   def _compact(self):
-    words, leaves, scores, valid = self._compact_shards()
+    words, leaves, scores, valid = jax.vmap(lambda shard: shard._compact())(self.shards)  # [S, C, ...]
     rows = words.shape[0] * words.shape[1]
     order = jnp.argsort(~valid.reshape(-1), stable=True)  # live first, shard by shard
     flat = [x.reshape(rows, *x.shape[2:])[order] for x in (words, scores, *leaves)]
     return flat[0], flat[2:], flat[1], valid.reshape(-1)[order]
-
-  def _compact_shards(self):
-    """``(words[S, C, W], leaves, scores[S, C], valid[S, C])``: each shard's entries, live first."""
-    return jax.vmap(lambda shard: shard._compact())(self.shards)
 
   def _serialize_to_arrays(self) -> dict:
     """Each shard's live entries as blocks (see :mod:`entries`).
@@ -363,7 +359,7 @@ class ShardedTable(Table):
       block = {"keys": words[:width], "values": [x[:width] for x in leaves]}
       if self.eviction is not None:
         block["scores"] = scores[:width]
-      if self._layout_shape() is not None:  # live slots in export order, as _live_slots gives them
+      if self._layout_shape() is not None:  # the live slots, in the order _compact gives entries
         block["slots"] = jnp.nonzero(shard._slots()[1], size=width, fill_value=0)[0].astype(jnp.int32)
       return block
 
@@ -393,23 +389,9 @@ class ShardedTable(Table):
     leaves, given = (rest[:-1], rest[-1]) if scores is not None else (rest, None)
     return self._imported_rows(words, leaves, active, given)
 
-  def _live_by_shard(self):
-    words, leaves, scores, valid = jax.device_get(jax.jit(ShardedTable._compact_shards)(self))
-    slots = self._live_slots()
-    return [
-      self._host_entries(words[s], [x[s] for x in leaves], scores[s], valid[s], slots[s])
-      for s in range(self.num_shards)
-    ]
-
   def _layout_shape(self):
     shape = self.shards._layout_shape()
     return None if shape is None else np.array([self.num_shards, *shape[1:]])
-
-  def _live_slots(self):
-    if self._layout_shape() is None:
-      return [None] * self.num_shards
-    live = np.asarray(jax.device_get(jax.jit(jax.vmap(lambda shard: shard._slots()[1]))(self.shards)))
-    return [np.flatnonzero(row) for row in live]
 
   def _placed(self, keys, values, scores, slots):
     """Each of this process's shards gets its saved entries, at their slots (the keys' owners are checked)."""

@@ -477,7 +477,7 @@ class Table(abc.ABC):
     """The live entries as named host arrays (see :mod:`entries`): keys in their exact dtype."""
     counters = None if self.eviction is None else {"clock": self.clock, "evictions": self.evictions}
     return entries.to_arrays(
-      self._live_by_shard(), self.value_spec, jax.device_get(counters), self._layout_shape()
+      self._live_entries(), self.value_spec, jax.device_get(counters), self._layout_shape()
     )
 
   def _from_arrays(self, arrays) -> Table:
@@ -531,12 +531,10 @@ class Table(abc.ABC):
       scores = None if scores is None else hosts.gather_rows([scores])[0]
     return self.import_(keys, values, scores=scores)
 
-  def _live_by_shard(self) -> list[entries.Entries]:
-    """The live entries on the host, ``(keys, value leaves, scores, slots)`` per shard, in exact dtypes."""
+  def _live_entries(self) -> entries.Entries:
+    """The live entries on the host, ``(keys, value leaves, scores, slots)``, in exact dtypes."""
     words, leaves, scores, valid = jax.device_get(_jit_compact(self))
-    return [self._host_entries(words, leaves, scores, valid, self._live_slots()[0])]
-
-  def _host_entries(self, words, leaves, scores, valid, slots) -> entries.Entries:
+    slots = self._live_slots()
     live = np.asarray(valid)
     keys = self.key_spec.decode(jnp.asarray(np.asarray(words)[live]))
     values = self.value_spec.from_storage([jnp.asarray(np.asarray(x)[live]) for x in leaves])
@@ -547,9 +545,9 @@ class Table(abc.ABC):
     """The shape slot numbers refer to, saved with them; ``None``: entries alone fix the layout."""
     return None
 
-  def _live_slots(self) -> list[np.ndarray | None]:
-    """Per shard, the slots of the live entries (in export order), where :meth:`_layout_shape` is kept."""
-    return [None]
+  def _live_slots(self) -> np.ndarray | None:
+    """The slots of the live entries (in export order), where :meth:`_layout_shape` is kept."""
+    return None
 
   def _placed(self, keys, values, scores, slots: dict) -> Table:
     """An empty table like this one holding the entries at ``slots`` (shard -> its entries' slots).
