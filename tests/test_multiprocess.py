@@ -54,10 +54,15 @@ print(json.dumps({
 
 SAVE_TOGETHER = """
 from jaxres._tracking import storage
-from multiprocess_table import empty_table, table_at
+from multiprocess_table import VALUE, empty_table, table_at
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
+by_rows = NamedSharding(mesh, PartitionSpec("shard"))
 root = jr.AutoTrackable()
 root.table, root.step = table_at(0, mesh), jnp.array(0)
+root.weights = jax.device_put(np.arange(16, dtype=np.float32).reshape(8, 2), by_rows)  # over both processes
 jr.Checkpoint(model=root).save(path + "/ckpt")
+del root.weights
 manager = jr.CheckpointManager(path + "/run", jr.Checkpoint(model=root), max_to_keep=2)
 for step in (1, 2, 3):
   root.table, root.step = table_at(step, mesh), jnp.array(step)
@@ -75,12 +80,20 @@ single.table, single.step = empty_table(mesh), jnp.array(-1)
 jr.Checkpoint(model=single).restore(path + "/single").assert_consumed()
 jr.Checkpoint(model=single).save(path + "/single_again")
 
+weights = jr.AutoTrackable()
+weights.weights = jax.device_put(np.zeros((8, 2), np.float32), by_rows)
+weights.table = jr.OpenAddressingTable.create(400, key=jnp.int64, value=VALUE)  # whole on each process
+jr.Checkpoint(model=weights).restore(path + "/ckpt").expect_partial()
+gathered = np.asarray(multihost_utils.process_allgather(weights.weights, tiled=True)).tolist()
+del weights.weights
+jr.Checkpoint(model=weights).save(path + "/unsharded_again")
 contents = json.load(open(path + "/ckpt/manifest.json"))
 key = contents["nodes"]["model/table"]["arrays"]["blocks/keys"]
 blocks = storage.load_arrays(path + "/ckpt", contents["arrays"])[key]
 print(json.dumps({
   "steps": manager.all_steps(), "size": int(fresh.table.size), "step": int(fresh.step),
   "clock": [int(fresh.table.clock), int(root.table.clock)], "rows_read": sorted(blocks.rows),
+  "weights": gathered,
 }))
 """
 
@@ -146,6 +159,7 @@ def test_two_processes_save_together_and_restore_onto_other_meshes(tmp_path):
     assert result["steps"] == [2, 3]  # max_to_keep=2 over three steps
     assert result["step"] == 3 and result["size"] == 300 and result["clock"] == [clock, clock]
     assert result["rows_read"] == [4 * process + i for i in range(4)]  # each process reads its own shards
+    assert result["weights"] == np.arange(16.0).reshape(8, 2).tolist()  # an array split over processes
   for name in ("ocdbt.process_0", "ocdbt.process_1"):  # and each wrote its own
     assert any(f.is_file() and f.stat().st_size for f in (tmp_path / "ckpt" / "arrays" / name).rglob("*"))
 
@@ -157,7 +171,11 @@ def test_two_processes_save_together_and_restore_onto_other_meshes(tmp_path):
     for target in (empty_table(mesh_of(8)), empty_table(mesh_of(4)), unsharded):
       root = jr.AutoTrackable()
       root.table, root.step = target, jnp.array(-1)
+      if path == "ckpt":
+        root.weights = np.zeros((8, 2), np.float32)
       jr.Checkpoint(model=root).restore(tmp_path / path).assert_consumed()
+      if path == "ckpt":
+        np.testing.assert_array_equal(root.weights, np.arange(16.0).reshape(8, 2))
       assert entries(root.table) == saved and int(root.step) == step, (path, root.table)
       restored.append(root.table)
     # On the saved layout every entry is back in its slot (also after two processes restored it).
@@ -167,12 +185,28 @@ def test_two_processes_save_together_and_restore_onto_other_meshes(tmp_path):
     np.testing.assert_array_equal(live, want_live)
     np.testing.assert_array_equal(np.asarray(keys)[np.asarray(live)], np.asarray(want)[np.asarray(live)])
 
+  # Restored by each of two processes into an unsharded table (every process takes all shards).
+  whole = jr.AutoTrackable()
+  whole.table = jr.OpenAddressingTable.create(400, key=jnp.int64, value=VALUE)
+  jr.Checkpoint(model=whole).restore(tmp_path / "unsharded_again").assert_consumed()
+  assert entries(whole.table) == entries(table_at(0, mesh_of(8)))
+
   later = jr.AutoTrackable()
   status = jr.CheckpointManager(tmp_path / "run", jr.Checkpoint(model=later)).restore()
   later.table, later.step = empty_table(mesh_of(4)), jnp.array(-1)  # deferred, onto 4 devices of one process
   status.assert_consumed()
   assert entries(later.table) == entries(table_at(3, mesh_of(4))) and int(later.step) == 3
   assert int(later.table.clock) == clock
+
+  # A shard whose bytes differ from its checksum: a ValueError naming the checkpoint, nothing changed.
+  manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+  key = manifest["nodes"]["model/table"]["arrays"]["blocks/keys"]
+  manifest["arrays"][key]["crc32"][5] ^= 1
+  (tmp_path / "ckpt" / "manifest.json").write_text(json.dumps(manifest))
+  before = entries(later.table)
+  with pytest.raises(ValueError, match=f"{tmp_path / 'ckpt'}: array {key} is corrupted"):
+    jr.Checkpoint(model=later).restore(tmp_path / "ckpt")
+  assert entries(later.table) == before
 
 
 def _progress(lines):

@@ -39,15 +39,15 @@ class Blocks:
 
 
 def is_partitioned(x) -> bool:
-  """Whether ``x`` is a ``jax.Array`` some of whose shards live on other processes."""
-  return isinstance(x, jax.Array) and not x.is_fully_addressable
+  """Whether ``x`` is a ``jax.Array`` that this process holds only part of."""
+  return isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated
 
 
 def rows_only(x: jax.Array) -> bool:
   """Whether ``x`` is split along its first axis only (so each process holds whole rows)."""
-  return all(
+  return x.ndim > 0 and all(
     all(
-      index == slice(None) or (index.start in (None, 0) and index.stop in (None, dim))
+      index.start in (None, 0) and index.stop in (None, dim)
       for index, dim in zip(shard.index[1:], x.shape[1:])
     )
     for shard in x.addressable_shards
@@ -63,6 +63,16 @@ def local_rows(x: jax.Array) -> dict[int, np.ndarray]:
     for offset in range(data.shape[0]):
       rows.setdefault(start + offset, data[offset])
   return rows
+
+
+def whole(blocks: Blocks) -> np.ndarray:
+  """The whole array of which every process holds some rows (every process calls this together)."""
+  rows = np.zeros(blocks.shape, blocks.dtype)
+  held = np.zeros(blocks.shape[0], bool)
+  for index, row in blocks.rows.items():
+    rows[index], held[index] = row, True
+  every, owner = everywhere(rows), everywhere(held).argmax(axis=0)  # the first process holding each row
+  return every[owner, np.arange(blocks.shape[0])]
 
 
 def everywhere(x: np.ndarray) -> np.ndarray:

@@ -59,6 +59,10 @@ class VariableHandle(handles.Handle):
   def holds_values(self) -> bool:
     return self._value is not None
 
+  @property
+  def takes_parts(self) -> bool:
+    return self._value is not None and self._value.takes_parts
+
   def restore(self, arrays):
     if self._value is None:
       return super().restore(arrays)

@@ -54,11 +54,15 @@ class Handle:
       aliases (values such as arrays are saved at every path instead).
     strict: every child must be checkpointable (containers): a child that is
       not raises at save instead of being skipped.
+    takes_parts: :meth:`restore` takes arrays of which each process read
+      some rows (``hosts.Blocks``, a sharded table's shards); others get
+      NumPy arrays.
   """
 
   kind = ""
   shared = True
   strict = False
+  takes_parts = False
 
   def __init__(self, obj: Any):
     self.obj = obj
@@ -147,6 +151,7 @@ class ValueHandle(Handle):
   """An immutable value that saves itself and is restored as a new value (a functional table)."""
 
   shared = False
+  takes_parts = True
 
   def __init__(self, obj: Any):
     super().__init__(obj)

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxres._core import hosts
+from jaxres._core.hosts import Blocks
 from jaxres._tracking import paths
 
 MANIFEST = "manifest.json"
@@ -102,9 +104,17 @@ class Reader:
   def node(self, path: str) -> dict:
     return self.nodes[self.canonical(path)]
 
-  def arrays(self, path: str) -> dict[str, np.ndarray]:
-    """The arrays of the object saved at ``path``, by name."""
-    return {name: self._arrays[key] for name, key in self.node(path)["arrays"].items()}
+  def arrays(self, path: str, parts: bool = False) -> dict[str, np.ndarray | Blocks]:
+    """The arrays of the object saved at ``path``, by name.
+
+    ``parts``: arrays that each process read some rows of stay so (as
+    :class:`Blocks`); otherwise every process gets them whole (they are
+    exchanged: every process restores the same objects in the same order).
+    """
+    arrays = {name: self._arrays[key] for name, key in self.node(path)["arrays"].items()}
+    if parts:
+      return arrays
+    return {name: hosts.whole(a) if isinstance(a, Blocks) else a for name, a in arrays.items()}
 
   def retain(self, node_paths) -> None:
     """Keeps only the arrays of the objects at ``node_paths`` and below (what pending restores need)."""

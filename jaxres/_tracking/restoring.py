@@ -177,7 +177,7 @@ class Plan:
     self.ledger.consumed.add(node_path)
     new = obj
     if not frozen:
-      new, commit = _checked(path, lambda: handle.restore(reader.arrays(node_path)))
+      new, commit = _checked(path, lambda: handle.restore(reader.arrays(node_path, handle.takes_parts)))
       if commit is not None:
         self.changes.append((path, commit))
     replaced = self._visit_children(handle, path, node_path, node, frozen and not handle.shared)
