@@ -85,6 +85,9 @@ class Checkpoint(AutoTrackable):
   def save(self, path: str) -> str:
     """Writes the graph to the directory ``path`` (replacing it atomically); returns it.
 
+    With several processes (``jax.distributed``), every process calls it
+    with the same graph: each writes the shards of its own devices.
+
     Raises:
       OSError: the checkpoint could not be written (a full disk, say); a
         checkpoint already at ``path`` is then left as it was.
@@ -114,6 +117,9 @@ class Checkpoint(AutoTrackable):
 
   def restore(self, path: str) -> LoadStatus:
     """Restores existing objects now and queues the rest; returns a :class:`LoadStatus`.
+
+    With several processes, every process calls it (and attaches deferred
+    objects) alike: each reads an even share of a sharded table's shards.
 
     Raises:
       ValueError: ``path`` is not a readable checkpoint, or an array differs in

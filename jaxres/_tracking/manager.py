@@ -17,7 +17,8 @@ class CheckpointManager:
   Built on Orbax's ``CheckpointManager``: saves are asynchronous (the arrays
   are copied first, so training can go on), atomic (a save interrupted at any
   moment, even by SIGKILL, never becomes the latest step) and pruned to the
-  ``max_to_keep`` newest steps.
+  ``max_to_keep`` newest steps. With several processes (``jax.distributed``)
+  every process calls each method together, as for :class:`Checkpoint`.
 
   Args:
     directory: where the numbered checkpoints live.
