@@ -183,6 +183,8 @@ def machine_for(policy, sharded=False, max_examples=10):
 for _name, _policy in POLICIES.items():
   globals()[f"Test{_name}"] = machine_for(_policy).TestCase
 TestShardedLRU = pytest.mark.slow(machine_for(jr.LRU(), sharded=True, max_examples=4).TestCase)
+# LFU scores add up occurrences that travel as one row per key and device.
+TestShardedLFU = pytest.mark.slow(machine_for(jr.LFU(), sharded=True, max_examples=4).TestCase)
 
 
 # ------------------------------------------------------------ plain tests

@@ -254,7 +254,7 @@ class OpenAddressingTable(Storage):
 
   # ---------------------------------------------------------- mutations
 
-  def _upsert_rows(self, words, leaves, active, mode, given=None):
+  def _upsert_rows(self, words, leaves, active, mode, given=None, weights=None):
     found, slot = self._locate(words)
     new = ~found
     if active is not None:  # masked rows neither update nor insert
@@ -289,7 +289,9 @@ class OpenAddressingTable(Storage):
     if self.eviction is None:
       return (*table._write_rows(words, leaves, found, admitted, slot, row, first, mode), None)
     to_evict = new & ~admitted
-    return table._upsert_evicting(words, leaves, found, admitted, to_evict, slot, row, first, given, mode)
+    return table._upsert_evicting(
+      words, leaves, found, admitted, to_evict, slot, row, first, given, mode, weights
+    )
 
   def _write_rows(self, words, leaves, found, placed, slot, row, first, mode):
     """Values of an insert or find_or_insert whose new keys (``placed``) have slots: ``(table, out)``.
@@ -306,7 +308,9 @@ class OpenAddressingTable(Storage):
     # the old array would keep it alive next to the new one, and XLA would copy it whole.
     return table, select_rows(found, take_rows(table.values, row), new_values)
 
-  def _upsert_evicting(self, words, leaves, found, admitted, to_evict, slot, row, first, given, mode):
+  def _upsert_evicting(
+    self, words, leaves, found, admitted, to_evict, slot, row, first, given, mode, weights
+  ):
     """The rest of an upsert with an eviction policy: scores, then new keys that do not fit evict.
 
     ``row`` and ``first``: the value row of each row's slot, and the first row
@@ -329,7 +333,8 @@ class OpenAddressingTable(Storage):
       old = jnp.where(found, self.slot_scores[slot], jnp.uint32(0))
       count = None
       if self.eviction.counts:
-        count = jnp.zeros(n, jnp.int32).at[jnp.where(named, first, n)].add(1, mode="drop")[first]
+        weights = jnp.int32(1) if weights is None else weights
+        count = jnp.zeros(n, jnp.int32).at[jnp.where(named, first, n)].add(weights, mode="drop")[first]
       score = self.eviction.score(old, count, self.clock)
     heads = named & (first == index)
     scores = self.slot_scores.at[jnp.where(stored & heads, slot, self.slot_scores.shape[0])].set(

@@ -260,21 +260,20 @@ class ShardedTable(Table):
 
     return self._routed(op, words, None, [], pick=())[1][0]
 
-  def _upsert_rows(self, words, leaves, active, mode, given=None):
-    extra = [] if given is None else [given]  # the given scores travel with their rows
+  def _upsert_rows(self, words, leaves, active, mode, given=None, weights=None):
+    riders = self._riders(words, given, weights)
 
     def op(shard, words, active, rows):
-      rows, given = (rows[:-1], rows[-1]) if extra else (rows, None)
-      shard, out, evicted = shard._upsert_rows(words, rows, active, mode, given)
+      values, given, weights = _split(rows, riders)
+      shard, out, evicted = shard._upsert_rows(words, values, active, mode, given, weights)
       pieces = [] if evicted is None else [evicted[0], *evicted[1], evicted[2], evicted[3]]
       return shard, [*out, *pieces]
 
-    # A repeated key travels once: with the values that count (an insert's last, a
-    # find_or_insert's first) and its last given score. Counting policies need every row.
-    pick = None
-    if self.eviction is None or not self.eviction.counts:
-      pick = ("last" if mode == "insert" else "first",) * len(leaves) + ("last",) * len(extra)
-    table, outputs = self._routed(op, words, active, [*leaves, *extra], pick, flags=self.eviction is not None)
+    # A repeated key travels once, with the values that count (an insert's last, a
+    # find_or_insert's first), its last given score and how often it occurred.
+    pick = ("last" if mode == "insert" else "first",) * len(leaves) + tuple(p for _, p in riders)
+    travelling = [*leaves, *(x for x, _ in riders)]
+    table, outputs = self._routed(op, words, active, travelling, pick, flags=self.eviction is not None)
     num_out = len(leaves) if mode == "first" else 0
     out, pieces = outputs[:num_out], outputs[num_out:]
     if self.eviction is None:
@@ -287,20 +286,29 @@ class ShardedTable(Table):
 
     return self._routed(op, words, active, leaves, pick=("last",) * len(leaves))[0]
 
-  def _apply_rows(self, words, leaves, active, fn, given=None):
-    extra = [] if given is None else [given]
+  def _apply_rows(self, words, leaves, active, fn, given=None, weights=None):
+    riders = self._riders(words, given, weights)
 
     def op(shard, words, active, rows):
-      rows, given = (rows[:-1], rows[-1]) if extra else (rows, None)
-      return shard._apply_rows(words, rows, active, fn, given), []
+      values, given, weights = _split(rows, riders)
+      return shard._apply_rows(words, values, active, fn, given, weights), []
 
     # A fold that no order changes (an integer sum, a maximum) is reduced per device and
     # travels once per key; any other needs every row at the owner, in batch order.
     reduction = exact_reduction(fn, self.value_spec)
-    pick = None
-    if reduction is not None and (self.eviction is None or not self.eviction.counts):
-      pick = (reduction,) * len(leaves) + ("last",) * len(extra)
-    return self._routed(op, words, active, [*leaves, *extra], pick)[0]
+    pick = None if reduction is None else (reduction,) * len(leaves) + tuple(p for _, p in riders)
+    return self._routed(op, words, active, [*leaves, *(x for x, _ in riders)], pick)[0]
+
+  def _riders(self, words, given, weights) -> list[tuple[jax.Array, str]]:
+    """What travels with a call's rows besides their values, and how a repeated key combines each.
+
+    The given scores (the last one counts) and the occurrences each row
+    stands for (they add up: a counting policy scores by them), so that a
+    repeated key still travels once per device. Absent ones are left out.
+    """
+    if self.eviction is not None and self.eviction.counts and weights is None:
+      weights = jnp.ones(words.shape[0], jnp.int32)
+    return [(x, pick) for x, pick in ((given, "last"), (weights, "add")) if x is not None]
 
   def _erase_rows(self, fn):
     return dataclasses.replace(self, shards=jax.vmap(lambda shard: shard._erase_rows(fn))(self.shards))
@@ -497,6 +505,13 @@ class ShardedTable(Table):
       check_vma=False,
     )(self.shards, padded(words), padded(active), [padded(x) for x in leaves])
     return dataclasses.replace(self, shards=shards), [y[:n] for y in outputs]
+
+
+def _split(rows: list, riders: list) -> tuple:
+  """A shard's received leaves as ``(values, given, weights)`` (see :meth:`ShardedTable._riders`)."""
+  count = len(rows) - len(riders)
+  received = {pick: x for (_, pick), x in zip(riders, rows[count:])}
+  return rows[:count], received.get("last"), received.get("add")
 
 
 def _travelling(x, which: str, last, others):

@@ -98,7 +98,7 @@ class Storage(Table):
     table = self._release(words, slot, first)
     return dataclasses.replace(table, size=table.size - jnp.sum(first, dtype=jnp.int32))
 
-  def _apply_rows(self, words, leaves, active, fn, given):
+  def _apply_rows(self, words, leaves, active, fn, given, weights=None):
     """insert_or_apply: the first occurrence of a new key inserts, every other row folds in.
 
     Each round applies ``fn`` to the earliest pending row of every slot, so the
@@ -106,7 +106,7 @@ class Storage(Table):
     times one key occurs in the batch.
     """
     before, _ = self._locate(words)
-    table, _, _ = self._upsert_rows(words, leaves, active, "first", given)
+    table, _, _ = self._upsert_rows(words, leaves, active, "first", given, weights)
     present, slot = table._locate(words)
     present = present if active is None else present & active
     inserted = claims.first_per_slot(slot, present & ~before)

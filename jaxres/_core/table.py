@@ -619,13 +619,17 @@ class Table(abc.ABC):
     """``uint32[N]``: the scores of present keys, 0 elsewhere."""
 
   @abc.abstractmethod
-  def _upsert_rows(self, words, leaves, active, mode, given=None) -> tuple[Table, list, tuple | None]:
+  def _upsert_rows(
+    self, words, leaves, active, mode, given=None, weights=None
+  ) -> tuple[Table, list, tuple | None]:
     """insert (``mode="insert"``) or find_or_insert (``"first"``) on flat rows.
 
     Returns ``(table, out, evicted)``: ``out`` the found-or-inserted values
     (``"first"``), ``evicted`` the rows' ``(words, leaves, scores, valid)``
     (``None`` without an eviction policy). ``given``: scores for the keys
-    (``CustomScore``, or entries moved with their scores).
+    (``CustomScore``, or entries moved with their scores). ``weights``:
+    ``int32[N]``, how many occurrences each row stands for (a counting policy
+    adds them up; ``None``: one each).
     """
 
   @abc.abstractmethod
@@ -633,8 +637,8 @@ class Table(abc.ABC):
     """assign on flat rows: present keys take their last active row's values."""
 
   @abc.abstractmethod
-  def _apply_rows(self, words, leaves, active, fn, given=None) -> Table:
-    """insert_or_apply on flat rows."""
+  def _apply_rows(self, words, leaves, active, fn, given=None, weights=None) -> Table:
+    """insert_or_apply on flat rows (``given`` and ``weights`` as for :meth:`_upsert_rows`)."""
 
   @abc.abstractmethod
   def _remove_rows(self, words, active) -> Table:
