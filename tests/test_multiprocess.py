@@ -17,7 +17,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from multiprocess_table import VALUE, empty_table, table_at
+from multiprocess_table import KEYS, VALUE, empty_table, table_at
 from oracle import entries, mesh_of
 
 import jaxres as jr
@@ -82,11 +82,17 @@ jr.Checkpoint(model=single).save(path + "/single_again")
 
 weights = jr.AutoTrackable()
 weights.weights = jax.device_put(np.zeros((8, 2), np.float32), by_rows)
-weights.table = jr.OpenAddressingTable.create(400, key=jnp.int64, value=VALUE)  # whole on each process
+# Whole on each process:
+weights.table = jr.OpenAddressingTable.create(400, key=jnp.int64, value=VALUE, eviction=jr.LRU())
 jr.Checkpoint(model=weights).restore(path + "/ckpt").expect_partial()
 gathered = np.asarray(multihost_utils.process_allgather(weights.weights, tiled=True)).tolist()
 del weights.weights
 jr.Checkpoint(model=weights).save(path + "/unsharded_again")
+
+bigger = jr.AutoTrackable()  # another capacity: the entries go to their owners through the routing
+bigger.table = jr.ShardedTable.create(mesh, "shard", 1000, key=jnp.int64, value=VALUE, eviction=jr.LRU())
+jr.Checkpoint(model=bigger).restore(path + "/ckpt").expect_partial()
+jr.Checkpoint(model=bigger).save(path + "/bigger_again")
 contents = json.load(open(path + "/ckpt/manifest.json"))
 key = contents["nodes"]["model/table"]["arrays"]["blocks/keys"]
 blocks = storage.load_arrays(path + "/ckpt", contents["arrays"])[key]
@@ -185,11 +191,14 @@ def test_two_processes_save_together_and_restore_onto_other_meshes(tmp_path):
     np.testing.assert_array_equal(live, want_live)
     np.testing.assert_array_equal(np.asarray(keys)[np.asarray(live)], np.asarray(want)[np.asarray(live)])
 
-  # Restored by each of two processes into an unsharded table (every process takes all shards).
-  whole = jr.AutoTrackable()
-  whole.table = jr.OpenAddressingTable.create(400, key=jnp.int64, value=VALUE)
-  jr.Checkpoint(model=whole).restore(tmp_path / "unsharded_again").assert_consumed()
-  assert entries(whole.table) == entries(table_at(0, mesh_of(8)))
+  # Restored by two processes into an unsharded table (every process takes all shards) and into a
+  # sharded table of another capacity (each process's shards go to their new owners).
+  for path in ("unsharded_again", "bigger_again"):
+    whole = jr.AutoTrackable()
+    whole.table = jr.OpenAddressingTable.create(400, key=jnp.int64, value=VALUE, eviction=jr.LRU())
+    jr.Checkpoint(model=whole).restore(tmp_path / path).assert_consumed()
+    assert entries(whole.table) == entries(table_at(0, mesh_of(8))), path
+    np.testing.assert_array_equal(whole.table.scores(KEYS), table_at(0, mesh_of(8)).scores(KEYS))
 
   later = jr.AutoTrackable()
   status = jr.CheckpointManager(tmp_path / "run", jr.Checkpoint(model=later)).restore()
