@@ -93,6 +93,15 @@ bigger = jr.AutoTrackable()  # another capacity: the entries go to their owners 
 bigger.table = jr.ShardedTable.create(mesh, "shard", 1000, key=jnp.int64, value=VALUE, eviction=jr.LRU())
 jr.Checkpoint(model=bigger).restore(path + "/ckpt").expect_partial()
 jr.Checkpoint(model=bigger).save(path + "/bigger_again")
+# A table whose replicas are the two processes (each holds all 4 shards), restored at another capacity.
+replicas = jax.make_mesh((2, 4), ("replica", "shard"))
+copies = jr.AutoTrackable()
+copies.table = table_at(2, replicas)
+jr.Checkpoint(model=copies).save(path + "/replicas")
+copies.table = jr.ShardedTable.create(replicas, "shard", 600, key=jnp.int64, value=VALUE, eviction=jr.LRU())
+jr.Checkpoint(model=copies).restore(path + "/replicas").assert_consumed()
+jr.Checkpoint(model=copies).save(path + "/replicas_again")
+
 contents = json.load(open(path + "/ckpt/manifest.json"))
 key = contents["nodes"]["model/table"]["arrays"]["blocks/keys"]
 blocks = storage.load_arrays(path + "/ckpt", contents["arrays"])[key]
@@ -193,12 +202,13 @@ def test_two_processes_save_together_and_restore_onto_other_meshes(tmp_path):
 
   # Restored by two processes into an unsharded table (every process takes all shards) and into a
   # sharded table of another capacity (each process's shards go to their new owners).
-  for path in ("unsharded_again", "bigger_again"):
+  # And a table replicated over the two processes, restored by them at another capacity.
+  for path, step in (("unsharded_again", 0), ("bigger_again", 0), ("replicas_again", 2)):
     whole = jr.AutoTrackable()
     whole.table = jr.OpenAddressingTable.create(400, key=jnp.int64, value=VALUE, eviction=jr.LRU())
     jr.Checkpoint(model=whole).restore(tmp_path / path).assert_consumed()
-    assert entries(whole.table) == entries(table_at(0, mesh_of(8))), path
-    np.testing.assert_array_equal(whole.table.scores(KEYS), table_at(0, mesh_of(8)).scores(KEYS))
+    assert entries(whole.table) == entries(table_at(step, mesh_of(8))), path
+    np.testing.assert_array_equal(whole.table.scores(KEYS), table_at(step, mesh_of(8)).scores(KEYS))
 
   later = jr.AutoTrackable()
   status = jr.CheckpointManager(tmp_path / "run", jr.Checkpoint(model=later)).restore()

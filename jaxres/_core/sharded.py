@@ -376,14 +376,18 @@ class ShardedTable(Table):
     return jax.tree.map(lambda x: lax.with_sharding_constraint(x, split), blocks)
 
   def _imported_saved(self, keys, values, scores, complete: bool) -> Table:
-    """Saved entries that each process holds a part of go to their owners without leaving their process."""
-    if complete or self.mesh.devices.size == len(self.mesh.local_devices):
+    """Saved entries that each process holds a part of go to their owners without leaving their process.
+
+    Only where the shards are the whole mesh and span processes: with replicas
+    (other mesh axes), every process takes every part instead.
+    """
+    local = len(self.mesh.local_devices)
+    if complete or self.mesh.devices.size != self.num_shards or local == self.num_shards:
       return super()._imported_saved(keys, values, scores, complete)
     n = len(keys)
     words = np.asarray(self.key_spec.encode(keys, "keys")[0]).reshape(n, -1)
     leaves = [np.asarray(x) for x in calls.value_leaves(self, values, (n,))]
     given = [] if scores is None else [np.asarray(scores, np.uint32)]
-    local = len(self.mesh.local_devices)
     rows = -(-int(hosts.everywhere(np.array(n)).max()) // local) * local or local
     split = NamedSharding(self.mesh, PartitionSpec(self.axis))
 
