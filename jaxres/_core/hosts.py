@@ -33,10 +33,6 @@ class Blocks:
   dtype: np.dtype
   rows: dict[int, np.ndarray]
 
-  @property
-  def size(self) -> int:
-    return math.prod(self.shape)
-
 
 def is_partitioned(x) -> bool:
   """Whether ``x`` is a ``jax.Array`` that this process holds only part of."""
