@@ -129,41 +129,50 @@ def _prototype(key_spec: KeySpec, value_spec: ValueSpec) -> Entries:
   return np.zeros((0, *key_spec.shape), key_spec.dtype), leaves, None, None
 
 
-def _unblocked(arrays, key_spec: KeySpec) -> tuple[dict, bool]:
-  """Blocks turned into the per-shard form (``shards/<i>/...``) for the shards this process holds.
-
-  Returns the arrays and whether every shard is there.
-  """
+def _unblocked(arrays, key_spec: KeySpec) -> tuple[dict[int, dict], bool]:
+  """``{shard: {field: rows}}`` of the shards this process holds, and whether that is every shard."""
   counts = np.asarray(arrays[_COUNTS])
   blocks = {name.removeprefix(_BLOCK): array for name, array in arrays.items() if name.startswith(_BLOCK)}
-  plain = {name: array for name, array in arrays.items() if name != _COUNTS and not name.startswith(_BLOCK)}
   shapes = {
     field: block.shape if isinstance(block, Blocks) else np.shape(block) for field, block in blocks.items()
   }
   if (
     "keys" not in blocks
-    or "keys" not in plain
+    or "keys" not in arrays
     or counts.ndim != 1
     or any(len(shape) < 2 or shape[0] != len(counts) for shape in shapes.values())
   ):
     raise TypeError(f"expected the blocks of a table's shards, got {sorted(arrays)}.")
-  _check_keys(np.asarray(plain["keys"]), key_spec)
+  _check_keys(np.asarray(arrays["keys"]), key_spec)
   if shapes["keys"][-1] != key_spec.num_words:
     words = shapes["keys"][-1]
     raise ValueError(f"blocks/keys: {words} words per key, expected {key_spec.num_words} (corrupted).")
   words = blocks["keys"]
   held = sorted(words.rows) if isinstance(words, Blocks) else range(len(counts))
-  out = {name: array for name, array in plain.items() if field_of(name) not in ("keys", "values")}
+  shards = {}
   for shard in held:
-    live = int(counts[shard])
+    live, fields = int(counts[shard]), {}
     for field, block in blocks.items():
       rows = (block.rows[shard] if isinstance(block, Blocks) else np.asarray(block)[shard])[:live]
       if field == "keys":
         rows = np.asarray(key_spec.decode(jnp.asarray(rows)))
-      elif field in plain:  # a value leaf, stored as the table stores it
-        rows = _exact(rows, np.asarray(plain[field]).dtype)
-      out[f"shards/{shard}/{field}"] = rows
-  return out, len(held) == len(counts)
+      elif field in arrays:  # a value leaf, stored as the table stores it; the empty array has its dtype
+        rows = _exact(rows, np.asarray(arrays[field]).dtype)
+      fields[field] = rows
+    shards[shard] = fields
+  return shards, len(held) == len(counts)
+
+
+def _by_shard(arrays) -> dict[int, dict]:
+  """``{shard: {field: rows}}`` of arrays named ``keys``, ``values...`` (shard -1) or ``shards/<i>/...``."""
+  shards: dict[int, dict[str, np.ndarray]] = {}
+  for name, array in arrays.items():
+    if name in (*_COUNTERS, _LAYOUT):
+      continue
+    match = _SHARD.fullmatch(name)
+    index, field = (int(match[1]), match[2]) if match else (-1, name)
+    shards.setdefault(index, {})[field] = np.asarray(array)
+  return shards
 
 
 def _exact(rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -189,18 +198,9 @@ def from_arrays(arrays, key_spec: KeySpec, value_spec: ValueSpec) -> Saved:
     TypeError: the arrays are not those of a table (other names).
     ValueError: keys or values of another dtype or shape than the specs.
   """
-  complete = True
-  if _COUNTS in arrays:
-    arrays, complete = _unblocked(arrays, key_spec)
+  shards, complete = _unblocked(arrays, key_spec) if _COUNTS in arrays else (_by_shard(arrays), True)
   expected = ["keys", *value_names(value_spec)]
   counters = {name: int(np.asarray(arrays[name])) for name in _COUNTERS if name in arrays}
-  shards: dict[int, dict[str, np.ndarray]] = {}
-  for name, array in arrays.items():
-    if name in (*_COUNTERS, _LAYOUT):
-      continue
-    match = _SHARD.fullmatch(name)
-    index, field = (int(match[1]), match[2]) if match else (-1, name)
-    shards.setdefault(index, {})[field] = np.asarray(array)
   scored = bool(counters) and all("scores" in fields for fields in shards.values())
   placed = _LAYOUT in arrays and all("slots" in fields for fields in shards.values())
   want = sorted(expected + ["scores"] * scored + ["slots"] * placed)
