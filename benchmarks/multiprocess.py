@@ -21,8 +21,25 @@ import tempfile
 import time
 from pathlib import Path
 
+import jax  # starts no backend: the workers configure theirs first
+import jax.numpy as jnp
+import numpy as np
+
+import jaxres as jr
+
 ROOT = Path(__file__).resolve().parents[1]
 WIDTH = 64
+
+
+def filled(table, entries: int, width: int = WIDTH):
+  """``table`` with ``entries`` random keys of ``width`` random float32 each (the same on every process)."""
+  rng = np.random.default_rng(1)
+  keys = rng.permutation(np.arange(entries, dtype=np.int64) * 7919 + 1)
+  fill = jax.jit(lambda t, k, v: t.insert(k, v))
+  for start in range(0, entries, 1 << 16):
+    ids = jr.keys.split64(keys[start : start + (1 << 16)])
+    table = fill(table, ids, jnp.asarray(rng.standard_normal((ids.shape[0], width)), jnp.float32))
+  return jax.block_until_ready(table)
 
 
 def measure(entries: int) -> dict:
@@ -65,30 +82,16 @@ def measure(entries: int) -> dict:
 
 
 def _worker(process: int, port: str, directory: str, entries: int) -> None:
-  import jax
-
   jax.config.update("jax_num_cpu_devices", 4)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process)
-  import jax.numpy as jnp
-  import numpy as np
-
-  import jaxres as jr
-
   mesh = jax.make_mesh((jax.device_count(),), ("shard",))
   value = jax.ShapeDtypeStruct((WIDTH,), jnp.float32)
 
   def empty():
     return jr.ShardedTable.create(mesh, "shard", entries, key=jnp.int64, value=value)
 
-  rng = np.random.default_rng(1)  # the same batches on both processes
-  keys = rng.permutation(np.arange(entries, dtype=np.int64) * 7919 + 1)
-  fill = jax.jit(lambda t, k, v: t.insert(k, v))
-  table = empty()
-  for start in range(0, entries, 1 << 16):
-    ids = jr.keys.split64(keys[start : start + (1 << 16)])
-    table = fill(table, ids, jnp.asarray(rng.standard_normal((ids.shape[0], WIDTH)), jnp.float32))
-  jax.block_until_ready(table)
+  table = filled(empty(), entries)
   path, saves = os.path.join(directory, "table"), []
   for _ in range(3):
     start = time.perf_counter()

@@ -172,14 +172,9 @@ def checkpoint_rate(entries: int, width: int = 64, devices: int = 8) -> dict:
   """Seconds to save and restore a ShardedTable of ``entries`` random rows, bytes written, bytes per entry."""
   mesh = jax.make_mesh((devices,), ("shard",), devices=jax.devices()[:devices])
   value = jax.ShapeDtypeStruct((width,), jnp.float32)
-  table = jr.ShardedTable.create(mesh, "shard", entries, key=jnp.int64, value=value)
-  rng = np.random.default_rng(1)
-  keys = rng.permutation(np.arange(entries, dtype=np.int64) * 7919 + 1)
-  fill = jax.jit(lambda t, k, v: t.insert(k, v))
-  for start in range(0, entries, 1 << 16):
-    ids = jr.keys.split64(keys[start : start + (1 << 16)])
-    table = fill(table, ids, jnp.asarray(rng.standard_normal((ids.shape[0], width)), jnp.float32))
-  jax.block_until_ready(table)
+  table = multiprocess.filled(
+    jr.ShardedTable.create(mesh, "shard", entries, key=jnp.int64, value=value), entries, width
+  )
   unsharded = jr.OpenAddressingTable.create(entries, key=jnp.int64, value=value)
   in_memory = sum(x.nbytes for x in jax.tree.leaves(unsharded)) / entries
   directory = tempfile.mkdtemp()

@@ -10,7 +10,6 @@ import gc
 import json
 import os
 import pathlib
-import re
 import resource
 import shutil
 import signal
@@ -22,6 +21,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from children import progress
 
 import jaxres as jr
 
@@ -296,7 +296,7 @@ def _kill_during_a_save(mode: str, target, delay: float) -> tuple[int, int]:
   command = [sys.executable, "-c", _CHILD, mode, str(target), os.path.dirname(__file__)]
   saved, in_flight = 0, 0
   with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as child:
-    for word, step in _progress(child.stdout):
+    for word, step in progress(child.stdout):
       if word == "saved":
         saved = step
       elif step >= 2:  # one complete step first, then kill during the next save
@@ -304,24 +304,12 @@ def _kill_during_a_save(mode: str, target, delay: float) -> tuple[int, int]:
         time.sleep(delay)
         os.kill(child.pid, signal.SIGKILL)
         break
-    for word, step in _progress(child.stdout):  # what it printed before dying
+    for word, step in progress(child.stdout):  # what it printed before dying
       if word == "saved":
         saved = step
       else:
         in_flight = step
   return saved, in_flight
-
-
-def _progress(lines):
-  """The child's ``saving k`` / ``saved k`` lines as ``(word, k)``.
-
-  Anything else is skipped: a line cut short by the kill (no newline) and
-  whatever a library in the child printed to stdout (CI once met a one-word line).
-  """
-  for line in lines:
-    match = re.fullmatch(r"(saving|saved) (\d+)\n", line)
-    if match:
-      yield match[1], int(match[2])
 
 
 def _trial(mode: str, target, delay: float) -> tuple[int, int, int]:

@@ -17,6 +17,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from children import progress
 from multiprocess_table import KEYS, VALUE, empty_table, table_at
 from oracle import entries, mesh_of
 
@@ -228,20 +229,12 @@ def test_two_processes_save_together_and_restore_onto_other_meshes(tmp_path):
   assert entries(later.table) == before
 
 
-def _progress(lines):
-  """A worker's complete ``saving k`` / ``saved k`` lines as ``(word, k)``."""
-  for line in lines:
-    word, _, step = line.partition(" ")
-    if word in ("saving", "saved") and line.endswith("\n") and step.strip().isdigit():
-      yield word, int(step)
-
-
 @pytest.mark.slow
 def test_a_process_killed_during_a_save_leaves_the_previous_step_latest(tmp_path):
   workers = _start(SAVE_FOREVER, tmp_path)
   saved = 0
   try:
-    for word, step in _progress(workers[1].stdout):
+    for word, step in progress(workers[1].stdout):
       if word == "saved":
         saved = step
       elif step >= 3:  # two complete steps, then kill process 1 during the next save
