@@ -35,7 +35,7 @@ def test_the_kernels_are_built_and_on():
 
 @functools.partial(jax.jit, static_argnames="reference")
 def _locate(table, words, reference):
-  return table._follow_chains(words) if reference else table._locate(words)
+  return table._follow_chains(table.buckets, words) if reference else table._locate(words)
 
 
 @functools.partial(jax.jit, static_argnames=("reference", "last"))
@@ -44,9 +44,11 @@ def _owner(words, mask, reference, last):
 
 
 @functools.partial(jax.jit, static_argnames="reference")
-def _claim(table, words, admitted, slot, reference):
-  claim = placing._claim_reference if reference else placing.claim_slots
-  return claim(table.layout, table.buckets.reshape(-1), words, admitted, slot, table.free_rows, table.size)
+def _upsert(table, words, active, reference):
+  args = (table.buckets, words, active, table.free_rows, table.size)
+  if reference:
+    return placing._upsert_reference(table.layout, table._follow_chains, *args)
+  return placing.upsert_slots(table.layout, *args, table._follow_chains)
 
 
 def _grown_table(num_words, bucket_size, capacity, seed):
@@ -97,11 +99,11 @@ def test_kernels_equal_their_references(num_words, bucket_size, seed):
   for last in (False, True):
     _assert_same(_owner(words, mask, False, last), _owner(words, mask, True, last))
 
-  # Place the absent keys, as an upsert that fits admits them (repeats included).
-  found, slot = _locate(table, words, True)
+  # Upserts: the whole batch (more rows than room: the new keys are admitted as they fit), and
+  # as many rows as fit (the kernel locates the keys as it places them).
   room = table.capacity - int(table.size)
-  admitted = ~found & mask & (jnp.cumsum(~found & mask) <= room)
-  _assert_same(_claim(table, words, admitted, slot, False), _claim(table, words, admitted, slot, True))
+  for active in (mask, mask & (jnp.cumsum(mask) <= room)):
+    _assert_same(_upsert(table, words, active, False), _upsert(table, words, active, True))
 
 
 @functools.partial(jax.jit, static_argnames="reference")
@@ -201,20 +203,30 @@ def test_prefix_sum_kernel_equals_numpy_cumsum(values, as_mask):
 
 @pytest.mark.skipif(not native.ENABLED, reason="kernels off")
 @pytest.mark.parametrize(("num_words", "bucket_size"), [(1, 7), (1, 14), (2, 4), (2, 8), (2, 2)])
-def test_large_batches_with_lost_claims_equal_the_reference(num_words, bucket_size):
-  """2048 new keys at once: many lose their claim to another slot in the same scratch cell
-  and retry in later rounds, some move on from full buckets; repeats meet on one slot."""
+@pytest.mark.parametrize("capacity", [4096, 3000])
+def test_large_batches_with_lost_claims_equal_the_reference(num_words, bucket_size, capacity):
+  """2048 rows at once, some of present keys: many new keys lose their claim to another slot in
+  the same scratch cell and retry in later rounds, some move on from full buckets; repeats meet
+  on one slot. At capacity 3000 not every new key fits, and the first ones are admitted."""
   rng = np.random.default_rng(num_words * 10 + bucket_size)
-  table = jr.OpenAddressingTable.create(4096, key=KEYS[num_words], value=jnp.float32, bucket_size=bucket_size)
-  table = _insert_words(table, jnp.asarray(rng.integers(0, 2**32, (1536, num_words), dtype=np.uint32)))
+  table = jr.OpenAddressingTable.create(
+    capacity, key=KEYS[num_words], value=jnp.float32, bucket_size=bucket_size
+  )
+  present = rng.integers(0, 2**32, (1536, num_words), dtype=np.uint32)
+  table = _insert_words(table, jnp.asarray(present))
   words = rng.integers(0, 2**32, (2048, num_words), dtype=np.uint32)
   words[1::7] = words[::7][: len(words[1::7])]  # repeats
+  words[::11] = present[: len(words[::11])]
   words = jnp.asarray(words)
-  found, slot = _locate(table, words, True)
-  admitted = ~found
-  _assert_same(_claim(table, words, admitted, slot, False), _claim(table, words, admitted, slot, True))
+  active = jnp.ones(2048, bool)
+  kernel, reference = _upsert(table, words, active, False), _upsert(table, words, active, True)
+  _assert_same(kernel, reference)
+  new = {tuple(w) for w in np.asarray(words)} - {tuple(w) for w in present}
+  assert int(reference.dropped) == max(0, len(new) - (capacity - 1536))
   for last in (False, True):
-    _assert_same(_owner(words, admitted, False, last), _owner(words, admitted, True, last))
+    _assert_same(
+      _owner(words, reference.admitted, False, last), _owner(words, reference.admitted, True, last)
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("reference", "layout"))
@@ -284,6 +296,28 @@ def test_read_rows_kernel_equals_take(dtype, shape):
   (same,), (got,) = jax.jit(rows.read_rows)([leaf], index)
   np.testing.assert_array_equal(np.asarray(same), np.asarray(leaf))
   np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.take(leaf, index, axis=0, mode="clip")))
+
+
+@pytest.mark.skipif(not native.ENABLED, reason="kernels off")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8, jnp.float16])
+@pytest.mark.parametrize("shape", [(40,), (40, 3), (40, 2, 5)])
+def test_write_rows_kernel_equals_its_reference_and_a_loop(dtype, shape):
+  """Rows written in batch order: repeated indices (the last masked one wins), masked rows and
+  indices out of range (dropped), checked against the XLA reference and a Python loop."""
+  rng = np.random.default_rng(len(shape))
+  leaf = np.asarray(rng.integers(-100, 100, shape)).astype(dtype)
+  index = rng.integers(-3, 45, 90).astype(np.int32)
+  index[::9] = index[1::9][: len(index[::9])]  # repeats
+  new = np.asarray(rng.integers(-100, 100, (90, *shape[1:]))).astype(dtype)
+  mask = rng.random(90) < 0.8
+  expected = leaf.copy()
+  for i in range(90):
+    if mask[i] and 0 <= index[i] < shape[0]:
+      expected[index[i]] = new[i]
+  (got,) = jax.jit(rows.write_rows)([jnp.asarray(leaf)], index, [jnp.asarray(new)], jnp.asarray(mask))
+  np.testing.assert_array_equal(np.asarray(got), expected)
+  reference = jax.jit(rows._write_rows_reference)(leaf, index, mask, new)
+  np.testing.assert_array_equal(np.asarray(reference), expected)
 
 
 @pytest.mark.skipif(not native.ENABLED, reason="kernels off")

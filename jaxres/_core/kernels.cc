@@ -7,17 +7,18 @@
 //   jaxres_lookup     OpenAddressingTable._lookup_rows (open_addressing.py)
 //   jaxres_search     SortedTable._search              (sorted_table.py)
 //   jaxres_owner      claims.owner_per_key            (claims.py)
-//   jaxres_claim      placing.claim_slots             (placing.py)
+//   jaxres_upsert     placing.upsert_slots            (placing.py)
 //   jaxres_prefix_sum claims.prefix_sum               (claims.py)
 //   jaxres_evict      evicting.evict                  (evicting.py)
 //   jaxres_read_rows  rows.read_rows                  (rows.py)
+//   jaxres_write_rows rows.write_rows                 (rows.py)
 //
 // The XLA versions work in data-parallel rounds; these run the same rounds
 // one row at a time, without the per-op overhead of XLA:CPU, with software
 // prefetching of the bucket records. The read-only kernels (locate, lookup,
 // search) split their rows over XLA's intra-op thread pool; every row is
 // computed by exactly one thread from inputs no thread writes, so results
-// never depend on scheduling. The claim and evict kernels run their rounds on
+// never depend on scheduling. The upsert and evict kernels run their rounds on
 // one thread.
 
 #include <Python.h>
@@ -452,115 +453,193 @@ ffi::Error PrefixSum(ffi::Buffer<ffi::S32> x, ffi::ResultBuffer<ffi::S32> out) {
   return ffi::Error::Success();
 }
 
-// placing.claim_slots, round for round.
-ffi::Error Claim(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> words_in, ffi::Buffer<ffi::PRED> admitted,
-                 ffi::Buffer<ffi::S32> slot_in, ffi::Buffer<ffi::S32> free_rows, ffi::Buffer<ffi::S32> size_in,
-                 ffi::ResultBuffer<ffi::U32> records_out, ffi::ResultBuffer<ffi::S32> slot_out,
-                 ffi::ResultBuffer<ffi::S32> first_out, ffi::ResultBuffer<ffi::S32> row_out, int64_t bucket_size) {
+// batch.admit: which new rows may insert when `room` more keys fit (the rows of the first
+// `room` distinct new keys, by first occurrence); returns the number of new keys left out.
+int64_t Admit(const uint32_t* words, int64_t n, int64_t W, const bool* is_new, int64_t room, bool* admitted) {
+  std::vector<int32_t> owner(n);
+  OwnerPerKey(words, n, W, is_new, false, owner.data());
+  int64_t heads = 0, dropped = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!is_new[i]) {
+      admitted[i] = false;
+    } else if (owner[i] == i) {
+      admitted[i] = heads++ < room;
+      dropped += !admitted[i];
+    } else {
+      admitted[i] = admitted[owner[i]];
+    }
+  }
+  return dropped;
+}
+
+// placing.upsert_slots, round for round: locates the rows' keys, admits the new keys that
+// fit, and places them by claims. Each round has two stages. The first reads the records
+// as the round found them: each row's candidate slot (and in round 0 where its key is),
+// rows split over the thread pool. The second settles the claims one row at a time in
+// increasing order, so the first claim of a scratch cell is its lowest writer
+// (claims.lowest_writer); a winner stores its key and takes its value row at once. The
+// overflow counts are raised at the end.
+ffi::Error Upsert(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> words_in,
+                  ffi::Buffer<ffi::PRED> active, ffi::Buffer<ffi::S32> free_rows, ffi::Buffer<ffi::S32> size_in,
+                  ffi::ResultBuffer<ffi::U32> records_out, ffi::ResultBuffer<ffi::PRED> found_out,
+                  ffi::ResultBuffer<ffi::S32> slot_out, ffi::ResultBuffer<ffi::PRED> admitted_out,
+                  ffi::ResultBuffer<ffi::S32> dropped_out, ffi::ResultBuffer<ffi::S32> first_out,
+                  ffi::ResultBuffer<ffi::S32> row_out, int64_t bucket_size) {
   uint32_t* records = records_out->typed_data();
   if (records != records_in.typed_data()) {
     std::memcpy(records, records_in.typed_data(), records_in.size_bytes());
   }
   Buckets t = View(records, records_in.dimensions(), bucket_size, words_in.dimensions()[1]);
   const int64_t n = words_in.dimensions()[0], W = t.num_words, size = bucket_size;
+  const int64_t capacity = free_rows.dimensions()[0], room = capacity - size_in.typed_data()[0];
   const uint32_t* words = words_in.typed_data();
+  const bool* is_active = active.typed_data();
+  bool* found = found_out->typed_data();
+  bool* admitted = admitted_out->typed_data();
   int32_t* slot = slot_out->typed_data();
   int32_t* first = first_out->typed_data();
-  std::memcpy(slot, slot_in.typed_data(), n * sizeof(int32_t));
+  int32_t* row = row_out->typed_data();
+  dropped_out->typed_data()[0] = 0;
   std::vector<int64_t> home(n), bucket(n);
   std::vector<uint32_t> lane(n);
-  std::vector<char> pending(n);
-  for (int64_t i = 0; i < n; ++i) {
-    first[i] = static_cast<int32_t>(i);
-    pending[i] = admitted.typed_data()[i];
-    if (!pending[i]) continue;  // only admitted rows probe, claim and count overflows
-    home[i] = bucket[i] = t.home(words + i * W);
-    lane[i] = (HashWords(words + i * W, W, 1) * 0x9E3779B1u) >> 16;
-  }
-  std::vector<int64_t> rows, cells, live;
-  std::vector<int32_t> candidate, scratch, writer;
-  std::vector<char> active, trying, full, placed;
-  std::vector<int32_t> placed_slot;
-  std::vector<int64_t> queue, requeue;  // the pending rows after round 0, lowest first
-  bool any_pending = n > 0;
-  for (int32_t rounds = 0; any_pending; ++rounds) {
-    const bool later = rounds > 0;
+  std::vector<char> pending(n, 1), hit(n);  // hit: the key was in the table (its value row is known)
+  // What the first stage finds for each position of a round.
+  enum Outcome : char { kIdle, kPlaced, kFull, kTrying };
+  std::vector<char> outcome;
+  std::vector<int32_t> candidate, cell, scratch;
+  std::vector<int64_t> rows, queue, requeue;  // queue: the pending rows after round 0, lowest first
+  std::vector<int64_t> moved;  // winners placed past their home bucket
+  int64_t taken = size_in.typed_data()[0];  // free_rows[taken] is the next new key's value row
+  constexpr int32_t kFree = INT32_MAX;
+  ParallelFor(pool, n, kGrain, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      home[i] = bucket[i] = t.home(words + i * W);
+      lane[i] = (HashWords(words + i * W, W, 1) * 0x9E3779B1u) >> 16;
+    }
+  });
+  for (int32_t rounds = 0; rounds == 0 ? n > 0 : !queue.empty(); ++rounds) {
     // The rows of this round: all of them first, then up to a chunk of the
     // pending ones, lowest index first (claims.pending_rows).
     rows.clear();
-    if (!later) {
+    if (rounds == 0) {
       for (int64_t i = 0; i < n; ++i) rows.push_back(i);
     } else {
-      const int64_t chunk = ChunkSize(n), taken = std::min<int64_t>(chunk, queue.size());
-      rows.assign(queue.begin(), queue.begin() + taken);
-      queue.erase(queue.begin(), queue.begin() + taken);
-      while (static_cast<int64_t>(rows.size()) < chunk) rows.push_back(-1);  // padding: inactive
+      const int64_t chunk = ChunkSize(n), count = std::min<int64_t>(chunk, queue.size());
+      rows.assign(queue.begin(), queue.begin() + count);
+      queue.erase(queue.begin(), queue.begin() + count);
+      rows.resize(chunk, -1);  // padding: idle
     }
-    const int64_t m = rows.size();
-    active.assign(m, 0);
-    trying.assign(m, 0);
-    full.assign(m, 0);
-    placed.assign(m, 0);
-    placed_slot.assign(m, 0);
+    const int64_t m = rows.size(), scratch_size = ScratchSize(m);
+    outcome.assign(m, kIdle);
     candidate.assign(m, 0);
-    // Every row reads the records as they were before this round's stores.
-    live.clear();  // the positions of the pending rows
-    for (int64_t p = 0; p < m; ++p) {
-      if (rows[p] >= 0 && pending[rows[p]]) live.push_back(p);
-    }
-    const int64_t num_live = live.size();
-    for (int64_t k = 0; k < std::min(num_live, kAhead); ++k) t.prefetch(bucket[rows[live[k]]]);
-    for (int64_t k = 0; k < num_live; ++k) {
-      if (k + kAhead < num_live) t.prefetch(bucket[rows[live[k + kAhead]]]);
-      const int64_t p = live[k], i = rows[p], current = bucket[i];
-      active[p] = 1;
-      if (later) {
-        int64_t s = t.match(current, words + i * W);
+    cell.assign(m, 0);
+    auto live = [&](int64_t p) { return rows[p] >= 0 && pending[rows[p]]; };
+    // Round 0: where row i's key is (LocateRows); true if it is new.
+    auto locate = [&](int64_t i) {
+      const uint32_t* key = words + i * W;
+      int64_t b = home[i], s = t.match(b, key);
+      slot[i] = static_cast<int32_t>(b * size + std::max<int64_t>(s, 0));
+      for (int64_t step = 1; s < 0 && t.overflow(b) > 0 && step <= t.num_buckets; ++step) {
+        b = t.next(b);
+        s = t.match(b, key);
+        if (s >= 0) slot[i] = static_cast<int32_t>(b * size + s);
+      }
+      hit[i] = s >= 0;
+      found[i] = s >= 0 && is_active[i];
+      row[i] = s >= 0 ? static_cast<int32_t>(t.row(b, s)) : 0;
+      return s < 0 && is_active[i];
+    };
+    // Stage one: the row's candidate slot and scratch cell, from the records as the round found them.
+    auto pick = [&](int64_t p) {
+      const int64_t i = rows[p];
+      if (rounds == 0 && !locate(i)) return;
+      const int64_t current = bucket[i];
+      const uint32_t masks = t.mask(current);
+      if (rounds > 0) {  // an equal key of an earlier chunk may have been placed since
+        const int64_t s = t.match(current, words + i * W);
         if (s >= 0) {
-          placed[p] = 1;
-          placed_slot[p] = static_cast<int32_t>(current * size + s);
-          active[p] = 0;
+          outcome[p] = kPlaced;
+          candidate[p] = static_cast<int32_t>(current * size + s);
+          row[i] = static_cast<int32_t>(t.row(current, s));
+          return;
         }
       }
-      const uint32_t masks = t.mask(current);
       const int64_t num_free = size - __builtin_popcount(masks);
-      full[p] = num_free == 0;
-      const int64_t choice = SmallDivisors()[std::max<int64_t>(num_free, 1)].mod(lane[i]);
-      int64_t offset = 0;  // the (choice+1)-th free slot, or slot 0 of a full bucket
+      if (num_free == 0) {
+        outcome[p] = kFull;
+        return;
+      }
+      const int64_t choice = SmallDivisors()[num_free].mod(lane[i]);
+      int64_t offset = 0;  // the (choice+1)-th free slot
       for (int64_t s = 0, seen = 0; s < size; ++s) {
         if (!((masks >> s) & 1u) && seen++ == choice) {
           offset = s;
           break;
         }
       }
+      outcome[p] = kTrying;
       candidate[p] = static_cast<int32_t>(current * size + offset);
-      trying[p] = active[p] && !full[p];
-    }
-    cells.assign(m, 0);
-    const int64_t scratch_size = ScratchSize(m);
-    for (int64_t p = 0; p < m; ++p) cells[p] = CellOf(candidate[p], rounds, scratch_size);
-    LowestWriter(cells, trying, scratch_size, scratch, writer);
-    for (int64_t p = 0; p < m; ++p) {
-      // The record a winner stores into, fetched ahead (a row wins where it is its cell's lowest writer).
-      if (p + kAhead < m && writer[p + kAhead] == p + kAhead) t.prefetch(t.bucket_of(candidate[p + kAhead]));
-      int64_t i = rows[p];
-      if (i < 0) continue;
-      int64_t win = writer[p];
-      bool same_slot = trying[p] && candidate[win] == candidate[p];
-      bool won = same_slot && win == p;
-      const uint32_t* row_words = words + i * W;
-      int64_t winner_row = rows[win] < 0 ? n - 1 : rows[win];
-      bool same_key = same_slot && !won && SameWords(words + winner_row * W, row_words, W);
-      if (won) t.store(candidate[p], row_words);
-      if (active[p] && full[p]) bucket[i] = t.next(bucket[i]);
-      if (placed[p]) {
-        slot[i] = placed_slot[p];
-        first[i] = -1;  // placed by an equal key whose row is not known here (resolved below)
-      } else {
-        if (won || same_key) slot[i] = candidate[p];
-        if (same_key) first[i] = static_cast<int32_t>(winner_row);
+      cell[p] = static_cast<int32_t>(CellOf(candidate[p], rounds, scratch_size));
+    };
+    ParallelFor(pool, m, kGrain, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        if (p + kAhead < end && live(p + kAhead)) t.prefetch(bucket[rows[p + kAhead]]);
+        if (live(p)) pick(p);
       }
-      pending[i] = active[p] && !won && !same_key;
+    });
+    if (rounds == 0) {  // which new keys fit
+      for (int64_t i = 0; i < n; ++i) admitted[i] = is_active[i] && !hit[i];
+      const int64_t num_new = std::count(admitted, admitted + n, true);
+      if (num_new > room) {
+        std::vector<char> is_new(admitted, admitted + n);
+        dropped_out->typed_data()[0] =
+            static_cast<int32_t>(Admit(words, n, W, reinterpret_cast<const bool*>(is_new.data()), room, admitted));
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        first[i] = static_cast<int32_t>(i);
+        pending[i] = admitted[i];
+      }
+    }
+    // Stage two: the claims settle, in order.
+    scratch.assign(scratch_size, kFree);
+    auto settle = [&](int64_t p) {
+      const int64_t i = rows[p];
+      switch (outcome[p]) {
+        case kIdle:
+          return;
+        case kPlaced:
+          slot[i] = candidate[p];
+          first[i] = -1;  // placed by an equal key whose row is not known here (resolved below)
+          pending[i] = 0;
+          return;
+        case kFull:
+          bucket[i] = t.next(bucket[i]);
+          return;
+      }
+      const int32_t w = scratch[cell[p]];
+      if (w == kFree) {  // the lowest writer of its cell: the slot is its key's
+        scratch[cell[p]] = static_cast<int32_t>(p);
+        const int64_t b = t.bucket_of(candidate[p]);
+        t.store(candidate[p], words + i * W);
+        row[i] = free_rows.typed_data()[std::clamp<int64_t>(taken++, 0, capacity - 1)];
+        t.row(b, candidate[p] - b * size) = static_cast<uint32_t>(row[i]);
+        if (b != home[i]) moved.push_back(i);
+        slot[i] = candidate[p];
+        pending[i] = 0;
+      } else if (candidate[w] == candidate[p] && SameWords(words + rows[w] * W, words + i * W, W)) {
+        slot[i] = candidate[p];  // its key's earlier row won the slot
+        first[i] = static_cast<int32_t>(rows[w]);
+        row[i] = row[rows[w]];
+        pending[i] = 0;
+      }  // else: lost the cell to another slot; tries again in a later round
+    };
+    auto trying = [&](int64_t p) { return live(p) && outcome[p] == kTrying; };
+    for (int64_t p = 0; p < m; ++p) {
+      if (p + kAhead < m && trying(p + kAhead)) {
+        t.prefetch(t.bucket_of(candidate[p + kAhead]));
+        __builtin_prefetch(&scratch[cell[p + kAhead]], 1);
+      }
+      if (live(p)) settle(p);
     }
     // Rows of this round still pending go before the queue's rest (all higher).
     requeue.clear();
@@ -568,43 +647,26 @@ ffi::Error Claim(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> words_i
       if (rows[p] >= 0 && pending[rows[p]]) requeue.push_back(rows[p]);
     }
     queue.insert(queue.begin(), requeue.begin(), requeue.end());
-    any_pending = !queue.empty();
+  }
+  // Raise the overflow count of every bucket a newly placed key probed past.
+  for (int64_t i : moved) {
+    for (int64_t r = 0, h = home[i], d = t.distance(h, t.bucket_of(slot[i])); r < d; ++r, h = t.next(h)) {
+      t.overflow(h) += 1u;
+    }
   }
   // Rare: equal keys split over chunks. Each key's first row is then its slot's lowest row.
   if (std::any_of(first, first + n, [](int32_t f) { return f < 0; })) {
     std::vector<uint32_t> slot_words(slot, slot + n);
-    OwnerPerKey(slot_words.data(), n, 1, admitted.typed_data(), false, first);
+    OwnerPerKey(slot_words.data(), n, 1, admitted, false, first);
   }
-  // Raise the overflow count of every bucket a newly placed key probed past.
+  // The rows neither found nor placed read their slot's value row.
+  auto unknown = [&](int64_t i) { return !admitted[i] && !hit[i]; };
   for (int64_t i = 0; i < n; ++i) {
-    if (!admitted.typed_data()[i] || first[i] != i) continue;
-    const int64_t distance = t.distance(home[i], t.bucket_of(slot[i]));
-    for (int64_t r = 0, b = home[i]; r < distance; ++r, b = t.next(b)) t.overflow(b) += 1u;
-  }
-  // Value rows (placing.take_free_rows): the k-th new key takes free_rows[size + k], and its
-  // other rows take the same; then the other rows read their slot's, once every new key has one.
-  const int64_t capacity = free_rows.dimensions()[0];
-  const bool* is_admitted = admitted.typed_data();
-  auto cell = [&](int64_t i) -> uint32_t& {
-    const int64_t b = t.bucket_of(slot[i]);
-    return t.row(b, slot[i] - b * size);
-  };
-  auto head = [&](int64_t i) { return is_admitted[i] && first[i] == i; };
-  int32_t* row = row_out->typed_data();
-  int64_t taken = size_in.typed_data()[0];
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + kAhead < n && head(i + kAhead)) t.prefetch(t.bucket_of(slot[i + kAhead]));
-    if (head(i)) {
-      const int32_t given = free_rows.typed_data()[std::clamp<int64_t>(taken++, 0, capacity - 1)];
-      cell(i) = static_cast<uint32_t>(given);
-      row[i] = given;
-    } else if (is_admitted[i]) {
-      row[i] = row[first[i]];  // an earlier row of its key
+    if (i + kAhead < n && unknown(i + kAhead)) t.prefetch(t.bucket_of(slot[i + kAhead]));
+    if (unknown(i)) {
+      const int64_t b = t.bucket_of(slot[i]);
+      row[i] = static_cast<int32_t>(t.row(b, slot[i] - b * size));
     }
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + kAhead < n && !is_admitted[i + kAhead]) t.prefetch(t.bucket_of(slot[i + kAhead]));
-    if (!is_admitted[i]) row[i] = static_cast<int32_t>(cell(i));
   }
   return ffi::Error::Success();
 }
@@ -624,6 +686,28 @@ ffi::Error ReadRows(ffi::AnyBuffer leaf, ffi::Buffer<ffi::S32> index, ffi::Resul
   for (int64_t i = 0; i < n; ++i) {
     if (i + kAhead < n) PrefetchRow(row(i + kAhead), bytes);
     CopyRow(to + i * bytes, row(i), bytes);
+  }
+  return ffi::Error::Success();
+}
+
+// rows.write_rows: `leaf` with row i of `rows` written at index[i] where mask[i], in batch
+// order, so that of the rows naming one index the last wins; indices outside the leaf are
+// dropped. The leaf is updated in place (aliased).
+ffi::Error WriteRows(ffi::AnyBuffer leaf, ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::PRED> mask,
+                     ffi::AnyBuffer rows, ffi::Result<ffi::AnyBuffer> leaf_out) {
+  char* to = static_cast<char*>(leaf_out->untyped_data());
+  if (to != leaf.untyped_data()) std::memcpy(to, leaf.untyped_data(), leaf.size_bytes());
+  const int64_t bytes = RowBytes(leaf), count = leaf.dimensions()[0], n = index.element_count();
+  const int32_t* at = index.typed_data();
+  const bool* write = mask.typed_data();
+  if (rows.size_bytes() != static_cast<size_t>(n * bytes) || mask.element_count() != static_cast<size_t>(n)) {
+    return ffi::Error::InvalidArgument("jaxres_write_rows: expected a row and a mask entry per index");
+  }
+  const char* from = static_cast<const char*>(rows.untyped_data());
+  auto inside = [&](int64_t i) { return write[i] && at[i] >= 0 && at[i] < count; };
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n && inside(i + kAhead)) __builtin_prefetch(to + at[i + kAhead] * bytes, 1);
+    if (inside(i)) CopyRow(to + at[i] * bytes, from + i * bytes, bytes);
   }
   return ffi::Error::Success();
 }
@@ -807,15 +891,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresOwner, Owner,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresPrefixSum, PrefixSum,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::S32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresClaim, Claim,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresUpsert, Upsert,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::PRED>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
@@ -841,6 +928,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresEvict, Evict,
                                   .Attr<int64_t>("bucket_size")
                                   .Attr<bool>("protect"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresWriteRows, WriteRows,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresReadRows, ReadRows,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
@@ -863,10 +958,11 @@ PyObject* Targets(PyObject*, PyObject*) {
   add("jaxres_lookup", JaxresLookup);
   add("jaxres_search", JaxresSearch);
   add("jaxres_owner", JaxresOwner);
-  add("jaxres_claim", JaxresClaim);
+  add("jaxres_upsert", JaxresUpsert);
   add("jaxres_prefix_sum", JaxresPrefixSum);
   add("jaxres_evict", JaxresEvict);
   add("jaxres_read_rows", JaxresReadRows);
+  add("jaxres_write_rows", JaxresWriteRows);
   return targets;
 }
 

@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxres._core import batch as batch_lib
 from jaxres._core import calls, claims, codec, evicting, native, placing
 from jaxres._core.args import check_int
 from jaxres._core.buckets import LINE_WORDS, Layout
@@ -170,9 +169,9 @@ class OpenAddressingTable(Storage):
 
   # ------------------------------------------------------------ queries
 
-  def _probe(self, words, bucket):
+  def _probe(self, buckets, words, bucket):
     layout = self.layout
-    records = self.buckets[bucket]  # the one gather: [N, record]
+    records = buckets[bucket]  # the one gather: [N, record]
     match = layout.occupancy(records[:, layout.mask_column]) & jnp.all(
       layout.keys_of(records) == words[:, None, :], axis=-1
     )
@@ -184,7 +183,7 @@ class OpenAddressingTable(Storage):
     """``(hit, slot)`` of each key row: its slot, or for a miss the first slot of its home bucket."""
     n = words.shape[0]
     results = (jax.ShapeDtypeStruct((n,), jnp.bool_), jax.ShapeDtypeStruct((n,), jnp.int32))
-    reference = lambda buckets, words: self._follow_chains(words)
+    reference = self._follow_chains
     return native.on_cpu(
       "jaxres_locate", reference, results, self.buckets, words, bucket_size=self.bucket_size
     )
@@ -211,10 +210,11 @@ class OpenAddressingTable(Storage):
     )  # fmt: skip
     return out, found
 
-  def _follow_chains(self, words):
+  def _follow_chains(self, buckets, words):
+    """``(hit, slot)`` of each key row in ``buckets`` (the table's records, or their update), in XLA."""
     n = words.shape[0]
     bucket = self.layout.home(words)
-    hit, slot, more = self._probe(words, bucket)
+    hit, slot, more = self._probe(buckets, words, bucket)
     chunk = max(64, min(n, n // 32))  # keys probing past their home bucket are rare
 
     def probe_further(state):
@@ -226,7 +226,7 @@ class OpenAddressingTable(Storage):
       def step(inner):
         at, steps, hit_c, slot_c, more_c = inner
         at = jnp.where(more_c, (at + 1) % self.num_buckets, at)
-        hit2, slot2, more2 = self._probe(words[rows], at)
+        hit2, slot2, more2 = self._probe(buckets, words[rows], at)
         steps = steps + more_c
         return (
           at,
@@ -255,42 +255,27 @@ class OpenAddressingTable(Storage):
   # ---------------------------------------------------------- mutations
 
   def _upsert_rows(self, words, leaves, active, mode, given=None, weights=None):
-    found, slot = self._locate(words)
-    new = ~found
-    if active is not None:  # masked rows neither update nor insert
-      found, new = found & active, new & active
-    room = self.capacity - self.size
-    num_new = jnp.sum(new, dtype=jnp.int32)
-    # Only a batch that may not fit needs the (sorting) exact admission. The
-    # conds return row masks, never the table, so the table is not copied.
-    if self.eviction is None:
-      admitted, dropped = lax.cond(
-        num_new <= room, lambda: (new, jnp.int32(0)), lambda: batch_lib.admit(words, new, room)
-      )
-    else:  # keys that do not fit evict instead of being dropped
-      dropped = jnp.int32(0)
-      admitted = lax.cond(
-        num_new <= room,
-        lambda: new,
-        lambda: lax.cond(room > 0, lambda: batch_lib.admit(words, new, room)[0], lambda: new & False),
-      )
     index = jnp.arange(words.shape[0], dtype=jnp.int32)
-    # No cond around the placement for batches that admit nothing: each branch
+    active = (
+      jnp.ones(words.shape[0], bool) if active is None else active
+    )  # masked rows neither update nor insert
+    # One call locates, admits and places: no cond around the placement, as each branch
     # would take its own copy of the whole bucket array.
-    flat, slot, first, row = placing.claim_slots(
-      self.layout, self.buckets.reshape(-1), words, admitted, slot, self.free_rows, self.size
+    up = placing.upsert_slots(
+      self.layout, self.buckets, words, active, self.free_rows, self.size, self._follow_chains
     )
     table = dataclasses.replace(
       self,
-      buckets=flat.reshape(self.buckets.shape),
-      size=self.size + jnp.sum(admitted & (first == index), dtype=jnp.int32),
-      dropped=self.dropped + dropped,
+      buckets=up.records,
+      size=self.size + jnp.sum(up.admitted & (up.first == index), dtype=jnp.int32),
+      dropped=self.dropped + (up.dropped if self.eviction is None else 0),
     )
     if self.eviction is None:
-      return (*table._write_rows(words, leaves, found, admitted, slot, row, first, mode), None)
-    to_evict = new & ~admitted
+      return (*table._write_rows(words, leaves, up.found, up.admitted, up.slot, up.row, up.first, mode), None)
+    # With an eviction policy, the new keys that do not fit evict instead of being dropped.
+    to_evict = active & ~up.found & ~up.admitted
     return table._upsert_evicting(
-      words, leaves, found, admitted, to_evict, slot, row, first, given, mode, weights
+      words, leaves, up.found, up.admitted, to_evict, up.slot, up.row, up.first, given, mode, weights
     )
 
   def _write_rows(self, words, leaves, found, placed, slot, row, first, mode):
@@ -300,7 +285,7 @@ class OpenAddressingTable(Storage):
     """
     index = jnp.arange(words.shape[0], dtype=jnp.int32)
     if mode == "insert":
-      return self._put(row, leaves, claims.first_per_slot(slot, found | placed, last=True)), []
+      return self._put_last(row, leaves, found | placed), []
     defaults = [jnp.broadcast_to(d, x.shape) for d, x in zip(self.default, leaves)]
     new_values = select_rows(placed, take_rows(leaves, first), defaults)
     table = self._put(row, leaves, placed & (first == index))

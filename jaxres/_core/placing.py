@@ -1,8 +1,9 @@
 """Placing new keys into free slots of a bucket array by claims, without sorting.
 
-New keys choose a free slot of their bucket and claim it with an integer
-scatter-min of their batch index into a batch-sized scratch array, at a cell
-hashed from the slot. Integer min does not depend on the order of the writes,
+An upsert (:func:`upsert_slots`) locates its keys, admits the new ones that
+fit, and places them. New keys choose a free slot of their bucket and claim it
+with an integer scatter-min of their batch index into a batch-sized scratch
+array, at a cell hashed from the slot. Integer min does not depend on the order of the writes,
 so the lowest batch index wins on every backend; rows carrying the same key see
 that they lost to an equal key and become duplicates of it, and rows that only
 met another slot in the same cell try again with a new hash, a chunk at a time
@@ -10,17 +11,23 @@ met another slot in the same cell try again with a new hash, a chunk at a time
 row of an earlier chunk may have put it). A row whose bucket is full moves to
 the next bucket. Work is O(batch): the scratch is sized by the batch.
 
-Each new key then takes a value row from the top of the table's stack of free
-rows, in batch order (:func:`take_free_rows`).
+A winner also takes a value row from the top of the table's stack of free rows
+(:func:`take_free_rows`), in the order keys are placed: round by round, in
+batch order within a round (so the CPU kernel hands each winner its row as it
+stores the key).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxres._core import batch as batch_lib
 from jaxres._core import claims, native
 from jaxres._core.buckets import Layout
 from jaxres._core.hashing import hash_words
@@ -28,67 +35,79 @@ from jaxres._core.hashing import hash_words
 _LANE_MIX = np.uint32(0x9E3779B1)
 
 
-def claim_slots(
+class Upserted(NamedTuple):
+  """What :func:`upsert_slots` did to a batch of ``N`` key rows."""
+
+  records: jax.Array  # the bucket records, with the admitted keys stored
+  found: jax.Array  # bool[N]: active rows whose key was in the table
+  slot: jax.Array  # int32[N]: each row's slot (a miss that was not admitted: the first of its home bucket)
+  admitted: jax.Array  # bool[N]: active rows whose key was new and fits, now placed
+  dropped: jax.Array  # int32[]: distinct new keys that did not fit
+  first: jax.Array  # int32[N]: for an admitted row the first row of its key, else its own index
+  row: jax.Array  # int32[N]: the value row of each row's slot
+
+
+def upsert_slots(
   layout: Layout,
-  flat: jax.Array,
+  records: jax.Array,
   words: jax.Array,
-  admitted: jax.Array,
-  slot: jax.Array,
+  active: jax.Array,
   free_rows: jax.Array,
   size: jax.Array,
-):
-  """Places the keys of the ``admitted`` rows (new keys; equal rows allowed) into free slots.
+  locate: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]],
+) -> Upserted:
+  """Locates the keys of the ``active`` rows, admits the new ones that fit, and places them.
+
+  The new keys that fit are those of :func:`batch.admit`: all of them when
+  they fit, else the first ones by first occurrence. Their rows (equal rows
+  allowed) claim free slots, and each new key takes a value row.
 
   Args:
-    layout: the bucket array's layout; ``flat`` its records, flattened.
-    words: uint32[N, W] key rows.
-    admitted: bool[N], rows whose key is new and fits.
-    slot: int32[N], the slots of the other rows (kept).
+    layout: the bucket array's layout; ``records`` the array,
+      ``[num_buckets, record_width]``.
+    words: uint32[N, W] key rows; ``active``: bool[N], the rows taking part.
     free_rows: int32[capacity], the table's stack of value rows; ``size``
       (int32[]) of them are taken, the rest are free.
-
-  Returns:
-    ``(flat, slot, first, row)``: the records with the keys stored, their
-    value rows given and the overflow counts raised; the slot of every
-    admitted row (the other rows keep theirs); for each admitted row the
-    first row of its key (the other rows: their own index); and the value
-    row of every row's slot.
+    locate: the XLA probe, ``(records, words) -> (hit, slot)``.
   """
   n = words.shape[0]
-  records = flat.reshape(layout.num_buckets, layout.record_width)
-  results = (jax.ShapeDtypeStruct(records.shape, records.dtype), *[jax.ShapeDtypeStruct((n,), jnp.int32)] * 3)
+  flag, index = jax.ShapeDtypeStruct((n,), jnp.bool_), jax.ShapeDtypeStruct((n,), jnp.int32)
+  table, count = jax.ShapeDtypeStruct(records.shape, records.dtype), jax.ShapeDtypeStruct((), jnp.int32)
+  results = Upserted(table, flag, index, flag, count, index, index)
 
-  def reference(records, *args):
-    flat, slot, first, row = _claim_reference(layout, records.reshape(-1), *args)
-    return flat.reshape(records.shape), slot, first, row
+  reference = lambda *args: tuple(_upsert_reference(layout, locate, *args))
+  out = native.on_cpu(
+    "jaxres_upsert", reference, results, records, words, active, free_rows, size,
+    aliases={0: 0}, bucket_size=layout.bucket_size,
+  )  # fmt: skip
+  return Upserted(*out)
 
-  records, slot, first, row = native.on_cpu(
-    "jaxres_claim",
-    reference,
-    results,
-    records,
-    words,
-    admitted,
-    slot,
-    free_rows,
-    size,
-    aliases={0: 0},
-    bucket_size=layout.bucket_size,
+
+def _upsert_reference(layout, locate, records, words, active, free_rows, size):
+  """:func:`upsert_slots` in XLA: the reference of its kernel, and the GPU/TPU path."""
+  hit, slot = locate(records, words)
+  new = active & ~hit
+  room = free_rows.shape[0] - size
+  admitted, dropped = lax.cond(
+    jnp.sum(new, dtype=jnp.int32) <= room,
+    lambda: (new, jnp.int32(0)),
+    lambda: batch_lib.admit(words, new, room),
   )
-  return records.reshape(-1), slot, first, row
+  flat, slot, first, row = _claim_reference(
+    layout, records.reshape(-1), words, admitted, slot, free_rows, size
+  )
+  return Upserted(flat.reshape(records.shape), hit & active, slot, admitted, dropped, first, row)
 
 
 def _claim_reference(layout, flat, words, admitted, slot, free_rows, size):
-  """:func:`claim_slots` in XLA: the reference of its kernel, and the GPU/TPU path."""
-  flat, slot, first = _claim_slots(layout, flat, words, admitted, slot)
-  new = admitted & (first == jnp.arange(words.shape[0], dtype=jnp.int32))
-  flat = take_free_rows(layout, flat, slot, new, free_rows, size)
+  """The claims of :func:`upsert_slots` in XLA: ``(flat, slot, first, row)``."""
+  flat, slot, first = _claim_slots(layout, flat, words, admitted, slot, free_rows, taken=size)
   return flat, slot, first, layout.row_of(flat, slot)
 
 
 def take_free_rows(layout: Layout, flat, slot, new, free_rows, size) -> jax.Array:
   """The records ``flat`` with a value row for each ``new`` entry's slot: ``free_rows[size + k]``
-  for the ``k``-th, in batch order.
+  for the ``k``-th, in the order of ``new``.
 
   ``new`` marks distinct slots, at most ``len(free_rows) - size`` of them;
   the caller adds them to the table's size.
@@ -98,7 +117,7 @@ def take_free_rows(layout: Layout, flat, slot, new, free_rows, size) -> jax.Arra
   return flat.at[jnp.where(new, layout.row_cell(slot), flat.size)].set(row, mode="drop")
 
 
-def _claim_slots(layout, flat, words, admitted, slot):
+def _claim_slots(layout, flat, words, admitted, slot, free_rows, taken):
   n, size = words.shape[0], layout.bucket_size
   index = jnp.arange(n, dtype=jnp.int32)
   home = layout.home(words)
@@ -108,7 +127,7 @@ def _claim_slots(layout, flat, words, admitted, slot):
 
   def claim_round(state, rows, target, later: bool):
     """One round for the rows ``rows`` (``target``: the same, for scatters)."""
-    rounds, flat, bucket, slot, first, pending = state
+    rounds, flat, bucket, slot, first, pending, taken = state
     position = jnp.arange(rows.shape[0], dtype=jnp.int32)
     active, current, row_words = pending[rows] & (target < n), bucket[rows], words[rows]
     placed, placed_slot = jnp.zeros_like(active), jnp.int32(0)
@@ -138,9 +157,10 @@ def _claim_slots(layout, flat, words, admitted, slot):
     won = same_slot & (winner == position)
     same_key = same_slot & ~won & jnp.all(row_words[winner] == row_words, axis=-1)
     new_slot = jnp.where(won | same_key, candidate, slot[rows])
+    flat = layout.store(flat, candidate, row_words, won)
     return (
       rounds + 1,
-      layout.store(flat, candidate, row_words, won),
+      take_free_rows(layout, flat, candidate, won, free_rows, taken),
       bucket.at[target].set(
         jnp.where(active & full, (current + 1) % layout.num_buckets, current), mode="drop"
       ),
@@ -150,16 +170,17 @@ def _claim_slots(layout, flat, words, admitted, slot):
         jnp.where(placed, -1, jnp.where(same_key, rows[winner], first[rows])), mode="drop"
       ),
       pending.at[target].set(active & ~won & ~same_key, mode="drop"),
+      taken + jnp.sum(won, dtype=jnp.int32),
     )
 
   def later_round(state):
     # Few rows are left after the first round; take them a chunk at a time,
     # lowest batch index first, so a key's first occurrence always takes part.
-    return claim_round(state, *claims.pending_rows(state[-1], claims.chunk_size(n)), later=True)
+    return claim_round(state, *claims.pending_rows(state[-2], claims.chunk_size(n)), later=True)
 
-  state = (jnp.int32(0), flat, home, slot, index, admitted)
+  state = (jnp.int32(0), flat, home, slot, index, admitted, taken)
   state = claim_round(state, index, index, later=False)
-  _, flat, _, slot, first, _ = lax.while_loop(lambda s: jnp.any(s[-1]), later_round, state)
+  _, flat, _, slot, first, _, _ = lax.while_loop(lambda s: jnp.any(s[-2]), later_round, state)
   # Rare: equal keys split over chunks. Each key's first row is then its slot's lowest row.
   first = lax.cond(jnp.any(first < 0), lambda: claims.owner_per_slot(slot, admitted), lambda: first)
   flat = layout.shift_overflow(flat, home, slot, admitted & (first == index), +1)

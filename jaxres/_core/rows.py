@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxres._core import native
+from jaxres._core import claims, native
 
 
 def take_rows(leaves, index):
@@ -40,6 +40,35 @@ def read_rows(leaves, index) -> tuple[list, list]:
     out.append(leaf)
     rows.append(taken)
   return out, rows
+
+
+def write_rows(leaves, index, rows, mask) -> list:
+  """``leaves`` with ``rows`` written at ``index`` where ``mask``, as if one row at a time in order.
+
+  Of the rows naming one index the last wins; indices outside a leaf are
+  dropped. On CPU a kernel writes the rows in order (in place); elsewhere the
+  last row of each index is found first (:func:`claims.first_per_slot`), so
+  that one scatter with distinct indices does the writes.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> rows, mask = [jnp.array([1.0, 2.0, 3.0])], jnp.array([True, True, True])
+    >>> leaves = write_rows([jnp.zeros(3)], jnp.array([2, 0, 2]), rows, mask)
+    >>> leaves[0].tolist()
+    [2.0, 0.0, 3.0]
+  """
+  index = jnp.asarray(index, jnp.int32)
+  out = []
+  for x, r in zip(leaves, rows):
+    results = (jax.ShapeDtypeStruct(x.shape, x.dtype),)
+    reference = lambda *args: (_write_rows_reference(*args),)
+    out.append(native.on_cpu("jaxres_write_rows", reference, results, x, index, mask, r, aliases={0: 0})[0])
+  return out
+
+
+def _write_rows_reference(x, index, mask, rows):
+  last = claims.first_per_slot(index, mask, last=True) & (index >= 0)  # negative indices: dropped
+  return x.at[jnp.where(last, index, x.shape[0])].set(rows, mode="drop")
 
 
 def select_rows(mask, on_true, on_false):

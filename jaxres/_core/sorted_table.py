@@ -157,8 +157,8 @@ class SortedTable(Storage):
 def _update_existing(table: SortedTable, leaves, slot, active, mode: str) -> tuple[SortedTable, list]:
   """insert / find_or_insert when every active key is present: no grouping by sorting."""
   if mode == "insert":
-    last = claims.first_per_slot(slot, jnp.ones(slot.shape, bool) if active is None else active, last=True)
-    return table._write(slot, leaves, last), []
+    active = jnp.ones(slot.shape, bool) if active is None else active
+    return table._put_last(table._row_of(slot), leaves, active), []
   return table, take_rows(table.values, slot)
 
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jaxres._core import claims
 from jaxres._core.eviction import Policy
-from jaxres._core.rows import select_rows, take_rows
+from jaxres._core.rows import select_rows, take_rows, write_rows
 from jaxres._core.table import Table
 
 
@@ -88,7 +88,7 @@ class Storage(Table):
   def _assign_rows(self, words, leaves, active):
     found, slot = self._locate(words)
     found = found if active is None else found & active
-    return self._write(slot, leaves, claims.first_per_slot(slot, found, last=True))
+    return self._put_last(self._row_of(slot), leaves, found)
 
   def _remove_rows(self, words, active):
     """The first active row of each present key releases it."""
@@ -162,6 +162,10 @@ class Storage(Table):
     index = jnp.where(mask, row, self.capacity)
     values = tuple(v.at[index].set(x, mode="drop") for v, x in zip(self.values, leaves))
     return dataclasses.replace(self, values=values)
+
+  def _put_last(self, row, leaves, mask) -> Storage:
+    """Writes value ``row``s with ``leaves`` where ``mask``; of the rows naming one row, the last wins."""
+    return dataclasses.replace(self, values=tuple(write_rows(self.values, row, leaves, mask)))
 
   def _compact(self):
     words, live = self._slots()
