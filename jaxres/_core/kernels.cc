@@ -258,27 +258,35 @@ void OwnerPerKey(const uint32_t* words, int64_t n, int64_t num_words, const bool
 
 // -------------------------------------------------------- probes and rows
 
-// OpenAddressingTable._locate: whether each of the `n` key rows is present,
-// and its slot (for a miss, the first slot of its home bucket); with `row`,
-// also the value row of each hit (0 for a miss).
-void LocateRows(const Buckets& t, const uint32_t* w, int64_t n, bool* hit, int32_t* out, int32_t* row = nullptr) {
+// Where `key` is, probing from its `home` bucket: true if present, with its slot and value
+// row; for a miss, the first slot of its home bucket (as the XLA probe reports) and row 0.
+inline bool Probe(const Buckets& t, const uint32_t* key, int64_t home, int32_t* slot, int32_t* row) {
+  int64_t b = home, s = t.match(b, key);
+  *slot = static_cast<int32_t>(b * t.bucket_size + std::max<int64_t>(s, 0));
+  for (int64_t step = 1; s < 0 && t.overflow(b) > 0 && step <= t.num_buckets; ++step) {
+    b = t.next(b);
+    s = t.match(b, key);
+    if (s >= 0) *slot = static_cast<int32_t>(b * t.bucket_size + s);
+  }
+  *row = s >= 0 ? static_cast<int32_t>(t.row(b, s)) : 0;
+  return s >= 0;
+}
+
+// The home bucket of each of the `n` key rows `w`.
+std::vector<int64_t> Homes(const Buckets& t, const uint32_t* w, int64_t n) {
   std::vector<int64_t> home(n);
   for (int64_t i = 0; i < n; ++i) home[i] = t.home(w + i * t.num_words);
+  return home;
+}
+
+// OpenAddressingTable._locate: whether each of the `n` key rows is present, and its slot.
+void LocateRows(const Buckets& t, const uint32_t* w, int64_t n, bool* hit, int32_t* out) {
+  const std::vector<int64_t> home = Homes(t, w, n);
   for (int64_t i = 0; i < std::min(n, kAhead); ++i) t.prefetch(home[i]);
+  int32_t row;
   for (int64_t i = 0; i < n; ++i) {
     if (i + kAhead < n) t.prefetch(home[i + kAhead]);
-    const uint32_t* key = w + i * t.num_words;
-    int64_t b = home[i];
-    int64_t s = t.match(b, key);
-    // A miss reports the first slot of its home bucket, as the XLA probe does.
-    out[i] = static_cast<int32_t>(b * t.bucket_size + std::max<int64_t>(s, 0));
-    for (int64_t step = 1; s < 0 && t.overflow(b) > 0 && step <= t.num_buckets; ++step) {
-      b = t.next(b);
-      s = t.match(b, key);
-      if (s >= 0) out[i] = static_cast<int32_t>(b * t.bucket_size + s);
-    }
-    hit[i] = s >= 0;
-    if (row) row[i] = s >= 0 ? static_cast<int32_t>(t.row(b, s)) : 0;
+    hit[i] = Probe(t, w + i * t.num_words, home[i], out + i, &row);
   }
 }
 
@@ -350,14 +358,30 @@ ffi::Error Lookup(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records, ffi::Buff
   }
   bool* hit = found->typed_data();
   const uint32_t* w = words.typed_data();
-  std::vector<int32_t> slot(n), row(n);
+  // One pass: a row's record is fetched kAhead rows ahead of its probe, and its value rows
+  // kLag rows ahead of their copy, so both kinds of reads overlap.
+  constexpr int64_t kLag = 16;
   ParallelFor(pool, n, kGrain, 1, [&](int64_t begin, int64_t end) {
-    LocateRows(t, w + begin * t.num_words, end - begin, hit + begin, slot.data() + begin, row.data() + begin);
-    for (const Leaf& c : columns) {
-      for (int64_t i = begin; i < std::min(end, begin + kAhead); ++i) PrefetchRow(c.from + row[i] * c.bytes, c.bytes);
-      for (int64_t i = begin; i < end; ++i) {
-        if (i + kAhead < end && hit[i + kAhead]) PrefetchRow(c.from + row[i + kAhead] * c.bytes, c.bytes);
-        CopyRow(c.to + i * c.bytes, hit[i] ? c.from + row[i] * c.bytes : c.fallback + i * c.fallback_step, c.bytes);
+    const int64_t len = end - begin;
+    const std::vector<int64_t> home = Homes(t, w + begin * t.num_words, len);
+    std::vector<int32_t> row(len);
+    int32_t slot;
+    for (int64_t k = 0; k < std::min(len, kAhead); ++k) t.prefetch(home[k]);
+    for (int64_t k = 0; k < len + kLag; ++k) {
+      if (k + kAhead < len) t.prefetch(home[k + kAhead]);
+      if (k < len) {
+        const int64_t i = begin + k;
+        hit[i] = Probe(t, w + i * t.num_words, home[k], &slot, &row[k]);
+        for (const Leaf& c : columns) {
+          if (hit[i]) PrefetchRow(c.from + row[k] * c.bytes, c.bytes);
+        }
+      }
+      if (k >= kLag) {
+        const int64_t i = begin + k - kLag;
+        for (const Leaf& c : columns) {
+          CopyRow(c.to + i * c.bytes, hit[i] ? c.from + row[k - kLag] * c.bytes : c.fallback + i * c.fallback_step,
+                  c.bytes);
+        }
       }
     }
   });
@@ -534,20 +558,11 @@ ffi::Error Upsert(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records_in, ffi::B
     candidate.assign(m, 0);
     cell.assign(m, 0);
     auto live = [&](int64_t p) { return rows[p] >= 0 && pending[rows[p]]; };
-    // Round 0: where row i's key is (LocateRows); true if it is new.
+    // Round 0: where row i's key is; true if it is new (and active).
     auto locate = [&](int64_t i) {
-      const uint32_t* key = words + i * W;
-      int64_t b = home[i], s = t.match(b, key);
-      slot[i] = static_cast<int32_t>(b * size + std::max<int64_t>(s, 0));
-      for (int64_t step = 1; s < 0 && t.overflow(b) > 0 && step <= t.num_buckets; ++step) {
-        b = t.next(b);
-        s = t.match(b, key);
-        if (s >= 0) slot[i] = static_cast<int32_t>(b * size + s);
-      }
-      hit[i] = s >= 0;
-      found[i] = s >= 0 && is_active[i];
-      row[i] = s >= 0 ? static_cast<int32_t>(t.row(b, s)) : 0;
-      return s < 0 && is_active[i];
+      hit[i] = Probe(t, words + i * W, home[i], slot + i, row + i);
+      found[i] = hit[i] && is_active[i];
+      return !hit[i] && is_active[i];
     };
     // Stage one: the row's candidate slot and scratch cell, from the records as the round found them.
     auto pick = [&](int64_t p) {
