@@ -710,14 +710,14 @@ ffi::Error ReadRows(ffi::AnyBuffer leaf, ffi::Buffer<ffi::S32> index, ffi::Resul
 // dropped. The leaf is updated in place (aliased).
 ffi::Error WriteRows(ffi::AnyBuffer leaf, ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::PRED> mask,
                      ffi::AnyBuffer rows, ffi::Result<ffi::AnyBuffer> leaf_out) {
-  char* to = static_cast<char*>(leaf_out->untyped_data());
-  if (to != leaf.untyped_data()) std::memcpy(to, leaf.untyped_data(), leaf.size_bytes());
   const int64_t bytes = RowBytes(leaf), count = leaf.dimensions()[0], n = index.element_count();
-  const int32_t* at = index.typed_data();
-  const bool* write = mask.typed_data();
   if (rows.size_bytes() != static_cast<size_t>(n * bytes) || mask.element_count() != static_cast<size_t>(n)) {
     return ffi::Error::InvalidArgument("jaxres_write_rows: expected a row and a mask entry per index");
   }
+  char* to = static_cast<char*>(leaf_out->untyped_data());
+  if (to != leaf.untyped_data()) std::memcpy(to, leaf.untyped_data(), leaf.size_bytes());
+  const int32_t* at = index.typed_data();
+  const bool* write = mask.typed_data();
   const char* from = static_cast<const char*>(rows.untyped_data());
   auto inside = [&](int64_t i) { return write[i] && at[i] >= 0 && at[i] < count; };
   for (int64_t i = 0; i < n; ++i) {
