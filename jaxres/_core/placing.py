@@ -3,13 +3,13 @@
 An upsert (:func:`upsert_slots`) locates its keys, admits the new ones that
 fit, and places them. New keys choose a free slot of their bucket and claim it
 with an integer scatter-min of their batch index into a batch-sized scratch
-array, at a cell hashed from the slot. Integer min does not depend on the order of the writes,
-so the lowest batch index wins on every backend; rows carrying the same key see
-that they lost to an equal key and become duplicates of it, and rows that only
-met another slot in the same cell try again with a new hash, a chunk at a time
-(a retried row first looks for its key in its current bucket, where an equal
-row of an earlier chunk may have put it). A row whose bucket is full moves to
-the next bucket. Work is O(batch): the scratch is sized by the batch.
+array, at a cell hashed from the slot. Integer min does not depend on the
+order of the writes, so the lowest batch index wins on every backend; rows
+carrying the same key see that they lost to an equal key and become duplicates
+of it, and rows that only met another slot in the same cell try again with a
+new hash, a chunk at a time (a retried row first looks for its key in its
+current bucket, where an equal row of an earlier chunk may have put it). A row
+whose bucket is full moves to the next bucket. Work is O(batch): the scratch is sized by the batch.
 
 A winner also takes a value row from the top of the table's stack of free rows
 (:func:`take_free_rows`), in the order keys are placed: round by round, in
@@ -127,7 +127,7 @@ def _claim_slots(layout, flat, words, admitted, slot, free_rows, taken):
 
   def claim_round(state, rows, target, later: bool):
     """One round for the rows ``rows`` (``target``: the same, for scatters)."""
-    rounds, flat, bucket, slot, first, pending, taken = state
+    rounds, taken, flat, bucket, slot, first, pending = state
     position = jnp.arange(rows.shape[0], dtype=jnp.int32)
     active, current, row_words = pending[rows] & (target < n), bucket[rows], words[rows]
     placed, placed_slot = jnp.zeros_like(active), jnp.int32(0)
@@ -160,6 +160,7 @@ def _claim_slots(layout, flat, words, admitted, slot, free_rows, taken):
     flat = layout.store(flat, candidate, row_words, won)
     return (
       rounds + 1,
+      taken + jnp.sum(won, dtype=jnp.int32),
       take_free_rows(layout, flat, candidate, won, free_rows, taken),
       bucket.at[target].set(
         jnp.where(active & full, (current + 1) % layout.num_buckets, current), mode="drop"
@@ -170,17 +171,16 @@ def _claim_slots(layout, flat, words, admitted, slot, free_rows, taken):
         jnp.where(placed, -1, jnp.where(same_key, rows[winner], first[rows])), mode="drop"
       ),
       pending.at[target].set(active & ~won & ~same_key, mode="drop"),
-      taken + jnp.sum(won, dtype=jnp.int32),
     )
 
   def later_round(state):
     # Few rows are left after the first round; take them a chunk at a time,
     # lowest batch index first, so a key's first occurrence always takes part.
-    return claim_round(state, *claims.pending_rows(state[-2], claims.chunk_size(n)), later=True)
+    return claim_round(state, *claims.pending_rows(state[-1], claims.chunk_size(n)), later=True)
 
-  state = (jnp.int32(0), flat, home, slot, index, admitted, taken)
+  state = (jnp.int32(0), taken, flat, home, slot, index, admitted)
   state = claim_round(state, index, index, later=False)
-  _, flat, _, slot, first, _, _ = lax.while_loop(lambda s: jnp.any(s[-2]), later_round, state)
+  _, _, flat, _, slot, first, _ = lax.while_loop(lambda s: jnp.any(s[-1]), later_round, state)
   # Rare: equal keys split over chunks. Each key's first row is then its slot's lowest row.
   first = lax.cond(jnp.any(first < 0), lambda: claims.owner_per_slot(slot, admitted), lambda: first)
   flat = layout.shift_overflow(flat, home, slot, admitted & (first == index), +1)
