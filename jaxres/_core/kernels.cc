@@ -32,6 +32,10 @@
 #include <mutex>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -111,6 +115,23 @@ inline uint32_t EqualSlots(const uint32_t* record, const uint32_t* words) {
   return equal;
 }
 
+#if defined(__SSE2__)
+// The default shape (int64 keys, 4 slots) in two 128-bit compares: a slot matches where both
+// of its words do.
+template <>
+inline uint32_t EqualSlots<2, 4>(const uint32_t* record, const uint32_t* words) {
+  uint64_t key;
+  std::memcpy(&key, words, sizeof(key));
+  const __m128i k = _mm_set1_epi64x(static_cast<long long>(key));
+  __m128i low = _mm_cmpeq_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(record)), k);
+  __m128i high = _mm_cmpeq_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(record + 4)), k);
+  low = _mm_and_si128(low, _mm_shuffle_epi32(low, _MM_SHUFFLE(2, 3, 0, 1)));
+  high = _mm_and_si128(high, _mm_shuffle_epi32(high, _MM_SHUFFLE(2, 3, 0, 1)));
+  return static_cast<uint32_t>(_mm_movemask_pd(_mm_castsi128_pd(low)) |
+                               _mm_movemask_pd(_mm_castsi128_pd(high)) << 2);
+}
+#endif
+
 // Exact `a % d` and `a / d` of 32-bit `a` by a divisor fixed per call,
 // without a division instruction (Lemire, Kaser and Kurz, "Faster remainder by
 // direct computation", 2019).
@@ -155,6 +176,12 @@ struct Buckets {
 
   // Offset of the occupied slot of bucket `b` holding `words`, or -1.
   int64_t match(int64_t b, const uint32_t* words) const {
+    const uint32_t equal = matches(b, words);
+    return equal ? __builtin_ctz(equal) : -1;
+  }
+
+  // Bit s set where slot s of bucket `b` is occupied and holds `words` (at most one bit).
+  uint32_t matches(int64_t b, const uint32_t* words) const {
     const uint32_t* r = record(b);
     uint32_t equal = 0;
     if (num_words == 2 && bucket_size == 4) {  // the default shapes: one cache line per record
@@ -168,8 +195,7 @@ struct Buckets {
     } else {
       for (int64_t s = 0; s < bucket_size; ++s) equal |= uint32_t{SameWords(r + s * num_words, words, num_words)} << s;
     }
-    equal &= r[bucket_size * num_words];
-    return equal ? __builtin_ctz(equal) : -1;
+    return equal & r[bucket_size * num_words];
   }
 
   void store(int64_t slot, const uint32_t* words) const {
@@ -260,34 +286,53 @@ void OwnerPerKey(const uint32_t* words, int64_t n, int64_t num_words, const bool
 
 // Where `key` is, probing from its `home` bucket: true if present, with its slot and value
 // row; for a miss, the first slot of its home bucket (as the XLA probe reports) and row 0.
+// Branch free on the common path (the home bucket holds the key, or never overflowed), as
+// hits and misses come unpredictably.
 inline bool Probe(const Buckets& t, const uint32_t* key, int64_t home, int32_t* slot, int32_t* row) {
-  int64_t b = home, s = t.match(b, key);
-  *slot = static_cast<int32_t>(b * t.bucket_size + std::max<int64_t>(s, 0));
-  for (int64_t step = 1; s < 0 && t.overflow(b) > 0 && step <= t.num_buckets; ++step) {
-    b = t.next(b);
-    s = t.match(b, key);
-    if (s >= 0) *slot = static_cast<int32_t>(b * t.bucket_size + s);
+  const uint32_t equal = t.matches(home, key);
+  int64_t b = home, s = equal ? __builtin_ctz(equal) : -1;
+  if (__builtin_expect(!equal && t.overflow(home) > 0, 0)) {
+    for (int64_t step = 1; s < 0 && t.overflow(b) > 0 && step <= t.num_buckets; ++step) {
+      b = t.next(b);
+      s = t.match(b, key);
+    }
   }
-  *row = s >= 0 ? static_cast<int32_t>(t.row(b, s)) : 0;
+  const int64_t at = s < 0 ? 0 : s;
+  const uint32_t value_row = t.row(b, at);
+  *slot = static_cast<int32_t>((s < 0 ? home : b) * t.bucket_size + at);
+  *row = s < 0 ? 0 : static_cast<int32_t>(value_row);
   return s >= 0;
 }
 
-// The home bucket of each of the `n` key rows `w`.
-std::vector<int64_t> Homes(const Buckets& t, const uint32_t* w, int64_t n) {
-  std::vector<int64_t> home(n);
-  for (int64_t i = 0; i < n; ++i) home[i] = t.home(w + i * t.num_words);
-  return home;
-}
+// The home buckets of `n` key rows `w`, hashed and prefetched kAhead rows before the probe
+// reads them (in a ring, so the hashing overlaps the memory reads it waits for).
+class HomesAhead {
+ public:
+  HomesAhead(const Buckets& t, const uint32_t* w, int64_t n) : t_(t), w_(w), n_(n) {
+    for (int64_t k = 0; k < std::min(n, kAhead); ++k) Fetch(k);
+  }
+  // Row k's home bucket; fetches row k + kAhead's.
+  int64_t Next(int64_t k) {
+    if (k + kAhead < n_) Fetch(k + kAhead);
+    return home_[k % kRing];
+  }
+
+ private:
+  static constexpr int64_t kRing = 2 * kAhead;
+  void Fetch(int64_t k) {
+    home_[k % kRing] = t_.home(w_ + k * t_.num_words);
+    t_.prefetch(home_[k % kRing]);
+  }
+  const Buckets& t_;
+  const uint32_t* w_;
+  int64_t n_, home_[kRing];
+};
 
 // OpenAddressingTable._locate: whether each of the `n` key rows is present, and its slot.
 void LocateRows(const Buckets& t, const uint32_t* w, int64_t n, bool* hit, int32_t* out) {
-  const std::vector<int64_t> home = Homes(t, w, n);
-  for (int64_t i = 0; i < std::min(n, kAhead); ++i) t.prefetch(home[i]);
+  HomesAhead homes(t, w, n);
   int32_t row;
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) t.prefetch(home[i + kAhead]);
-    hit[i] = Probe(t, w + i * t.num_words, home[i], out + i, &row);
-  }
+  for (int64_t i = 0; i < n; ++i) hit[i] = Probe(t, w + i * t.num_words, homes.Next(i), out + i, &row);
 }
 
 // Bytes of one row (the leading axis) of `buffer`.
@@ -330,6 +375,52 @@ ffi::Error Locate(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records, ffi::Buff
   return ffi::Error::Success();
 }
 
+// A value leaf of a lookup: rows are read from `from` (a hit) or `fallback` (a miss: its
+// row i at i * fallback_step, one row for all where the step is 0) into `to`.
+struct Column {
+  const char *from, *fallback;
+  char* to;
+  int64_t bytes, fallback_step;
+};
+
+// Row i's value of one column, copied branch free (the source address is a select): kBytes is
+// the row's width where known at compile time, else 0.
+template <int64_t kBytes>
+inline void CopyValue(const Column& c, int64_t i, bool hit, int32_t row) {
+  const int64_t bytes = kBytes > 0 ? kBytes : c.bytes;
+  const char* source = hit ? c.from + row * bytes : c.fallback + i * c.fallback_step;
+  std::memcpy(c.to + i * bytes, source, bytes);
+}
+
+// OpenAddressingTable._lookup_rows over rows [begin, end): one pass, where a row's record is
+// fetched kAhead rows ahead of its probe and its value rows kLag rows ahead of their copy, so
+// both kinds of reads overlap. kBytes (4 or 8) > 0: a single column of rows that wide.
+template <int64_t kBytes>
+void LookupRows(const Buckets& t, const uint32_t* w, int64_t begin, int64_t end, const std::vector<Column>& columns,
+                bool* hit) {
+  constexpr int64_t kLag = 16;
+  const int64_t len = end - begin, num_columns = kBytes > 0 ? 1 : columns.size();
+  HomesAhead homes(t, w + begin * t.num_words, len);
+  int32_t row[kLag], slot;  // the value rows of the last kLag rows probed
+  for (int64_t k = 0; k < len + kLag; ++k) {
+    if (k >= kLag) {
+      const int64_t i = begin + k - kLag;
+      for (int64_t c = 0; c < num_columns; ++c) CopyValue<kBytes>(columns[c], i, hit[i], row[k % kLag]);
+    }
+    if (k < len) {
+      const int64_t i = begin + k;
+      hit[i] = Probe(t, w + i * t.num_words, homes.Next(k), &slot, &row[k % kLag]);
+      for (int64_t c = 0; c < num_columns; ++c) {
+        if (kBytes > 0) {  // 4 or 8 bytes: within one cache line
+          __builtin_prefetch(columns[c].from + row[k % kLag] * kBytes);
+        } else {
+          PrefetchRow(columns[c].from + row[k % kLag] * columns[c].bytes, columns[c].bytes);
+        }
+      }
+    }
+  }
+}
+
 // Arguments after `words`: the value leaves [rows, ...], then as many
 // default leaves, [n, ...] or one row for all; results after `found`: the
 // values [n, ...], each row its slot's value row where found, else its default.
@@ -341,12 +432,7 @@ ffi::Error Lookup(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records, ffi::Buff
   if (leaves.size() != static_cast<size_t>(2 * num_leaves)) {
     return ffi::Error::InvalidArgument("jaxres_lookup: expected a default leaf per value leaf");
   }
-  struct Leaf {
-    const char *from, *fallback;
-    char* to;
-    int64_t bytes, fallback_step;
-  };
-  std::vector<Leaf> columns;
+  std::vector<Column> columns;
   for (int64_t l = 0; l < num_leaves; ++l) {
     auto values = leaves.get<ffi::AnyBuffer>(l), defaults = leaves.get<ffi::AnyBuffer>(num_leaves + l);
     auto out = outputs.get<ffi::AnyBuffer>(l);
@@ -356,35 +442,10 @@ ffi::Error Lookup(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records, ffi::Buff
                        static_cast<const char*>(defaults->untyped_data()), static_cast<char*>((*out)->untyped_data()),
                        bytes, defaults->size_bytes() == static_cast<size_t>(n * bytes) ? bytes : 0});
   }
+  const int64_t single = columns.size() == 1 ? columns[0].bytes : 0;
+  auto rows = single == 4 ? LookupRows<4> : single == 8 ? LookupRows<8> : LookupRows<0>;
   bool* hit = found->typed_data();
-  const uint32_t* w = words.typed_data();
-  // One pass: a row's record is fetched kAhead rows ahead of its probe, and its value rows
-  // kLag rows ahead of their copy, so both kinds of reads overlap.
-  constexpr int64_t kLag = 16;
-  ParallelFor(pool, n, kGrain, 1, [&](int64_t begin, int64_t end) {
-    const int64_t len = end - begin;
-    const std::vector<int64_t> home = Homes(t, w + begin * t.num_words, len);
-    std::vector<int32_t> row(len);
-    int32_t slot;
-    for (int64_t k = 0; k < std::min(len, kAhead); ++k) t.prefetch(home[k]);
-    for (int64_t k = 0; k < len + kLag; ++k) {
-      if (k + kAhead < len) t.prefetch(home[k + kAhead]);
-      if (k < len) {
-        const int64_t i = begin + k;
-        hit[i] = Probe(t, w + i * t.num_words, home[k], &slot, &row[k]);
-        for (const Leaf& c : columns) {
-          if (hit[i]) PrefetchRow(c.from + row[k] * c.bytes, c.bytes);
-        }
-      }
-      if (k >= kLag) {
-        const int64_t i = begin + k - kLag;
-        for (const Leaf& c : columns) {
-          CopyRow(c.to + i * c.bytes, hit[i] ? c.from + row[k - kLag] * c.bytes : c.fallback + i * c.fallback_step,
-                  c.bytes);
-        }
-      }
-    }
-  });
+  ParallelFor(pool, n, kGrain, 1, [&](int64_t begin, int64_t end) { rows(t, words.typed_data(), begin, end, columns, hit); });
   return ffi::Error::Success();
 }
 
