@@ -232,6 +232,13 @@ int64_t ChunkSize(int64_t n) { return std::min(n, std::max<int64_t>(64, n / 8));
 
 int BitLength(uint64_t x) { return x ? 64 - __builtin_clzll(x) : 0; }
 
+// Set bits of x, inline (__builtin_popcount is a library call where the target lacks popcnt).
+inline int BitCount(uint32_t x) {
+  x = x - ((x >> 1) & 0x55555555u);
+  x = (x & 0x33333333u) + ((x >> 2) & 0x33333333u);
+  return static_cast<int>((((x + (x >> 4)) & 0x0F0F0F0Fu) * 0x01010101u) >> 24);
+}
+
 // Scratch cells for a batch of `n` rows (a power of two).
 int64_t ScratchSize(int64_t n) { return int64_t{1} << std::max(1, BitLength(8 * n - 1)); }
 
@@ -640,7 +647,7 @@ ffi::Error Upsert(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records_in, ffi::B
           return;
         }
       }
-      const int64_t num_free = size - __builtin_popcount(masks);
+      const int64_t num_free = size - BitCount(masks);
       if (num_free == 0) {
         outcome[p] = kFull;
         return;
