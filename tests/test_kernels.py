@@ -116,23 +116,33 @@ def _search(table, words, reference):
   return table._bisect(words) if reference else table._search(words)
 
 
-VALUE = {"row": jax.ShapeDtypeStruct((5,), jnp.float32), "id": jnp.int32, "half": jnp.float16}
+# Value specs and defaults: several leaves (the kernel's general copy), and one leaf of 4 or 8
+# bytes per row (its copies of a width known at compile time) or of another width.
+VALUES = {
+  "three leaves": (
+    {"row": jax.ShapeDtypeStruct((5,), jnp.float32), "id": jnp.int32, "half": jnp.float16},
+    {"row": -1.0, "id": -2, "half": 0.5},
+  ),
+  "4 bytes": (jnp.float32, -1.0),
+  "8 bytes": (jax.ShapeDtypeStruct((2,), jnp.int32), -3),
+  "2 bytes": (jnp.float16, 0.5),
+}
 
 
 @pytest.mark.skipif(not native.ENABLED, reason="kernels off")
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=24, deadline=None)
 @given(
-  num_words=st.sampled_from([1, 2, 3]), bucket_size=st.sampled_from([1, 4, 7, 14]), seed=st.integers(0, 2**16)
+  num_words=st.sampled_from([1, 2, 3]),
+  bucket_size=st.sampled_from([1, 4, 7, 14]),
+  value=st.sampled_from(list(VALUES)),
+  seed=st.integers(0, 2**16),
 )
-def test_lookup_kernel_equals_its_reference(num_words, bucket_size, seed):
-  """Values of three dtypes and widths; per-row defaults, one default for all, and none (contains)."""
+def test_lookup_kernel_equals_its_reference(num_words, bucket_size, value, seed):
+  """Values of several dtypes, widths and leaf counts; per-row, shared and no defaults (contains)."""
   rng = np.random.default_rng(seed)
+  spec, default = VALUES[value]
   table = jr.OpenAddressingTable.create(
-    48,
-    key=KEYS[num_words],
-    value=VALUE,
-    default={"row": -1.0, "id": -2, "half": 0.5},
-    bucket_size=bucket_size,
+    48, key=KEYS[num_words], value=spec, default=default, bucket_size=bucket_size
   )
   pool = rng.integers(0, 2**32, (120, num_words), dtype=np.uint32)
   for _ in range(3):

@@ -452,7 +452,9 @@ ffi::Error Lookup(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records, ffi::Buff
   const int64_t single = columns.size() == 1 ? columns[0].bytes : 0;
   auto rows = single == 4 ? LookupRows<4> : single == 8 ? LookupRows<8> : LookupRows<0>;
   bool* hit = found->typed_data();
-  ParallelFor(pool, n, kGrain, 1, [&](int64_t begin, int64_t end) { rows(t, words.typed_data(), begin, end, columns, hit); });
+  ParallelFor(pool, n, kGrain, 1, [&](int64_t begin, int64_t end) {
+    rows(t, words.typed_data(), begin, end, columns, hit);
+  });
   return ffi::Error::Success();
 }
 
