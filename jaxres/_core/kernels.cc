@@ -158,13 +158,39 @@ const Divisor* SmallDivisors() {
 
 // --------------------------------------------------------------- buckets.py
 
+// The shape of a table's records: key words per slot and slots per bucket. The common shapes
+// are compile-time constants (so hashing, comparing and slot arithmetic unroll); others are
+// read from the call (Shape<0, 0>).
+template <int kWords, int kSlots>
+struct Shape {
+  static constexpr int64_t num_words = kWords, bucket_size = kSlots;
+  Shape(int64_t, int64_t) {}
+};
+
+template <>
+struct Shape<0, 0> {
+  int64_t num_words, bucket_size;
+  Shape(int64_t words, int64_t slots) : num_words(words), bucket_size(slots) {}
+};
+
 // A view of the bucket records: per bucket, the key words of its slots, an
 // occupancy bitmask, an overflow count and the value row of each slot, then
 // padding up to `width` words.
-struct Buckets {
+template <int kWords, int kSlots>
+struct Buckets : Shape<kWords, kSlots> {
+  using Shape<kWords, kSlots>::num_words;
+  using Shape<kWords, kSlots>::bucket_size;
   uint32_t* records;
-  int64_t num_buckets, width, bucket_size, num_words;
+  int64_t num_buckets, width;
   Divisor by_buckets, by_size;
+
+  Buckets(uint32_t* records, const ffi::Span<const int64_t> dims, int64_t slots, int64_t words)
+      : Shape<kWords, kSlots>(words, slots),
+        records(records),
+        num_buckets(dims[0]),
+        width(dims[1]),
+        by_buckets(dims[0]),
+        by_size(slots) {}
 
   uint32_t* record(int64_t b) const { return records + b * width; }
   uint32_t& mask(int64_t b) const { return record(b)[bucket_size * num_words]; }
@@ -184,14 +210,8 @@ struct Buckets {
   uint32_t matches(int64_t b, const uint32_t* words) const {
     const uint32_t* r = record(b);
     uint32_t equal = 0;
-    if (num_words == 2 && bucket_size == 4) {  // the default shapes: one cache line per record
-      equal = EqualSlots<2, 4>(r, words);
-    } else if (num_words == 1 && bucket_size == 7) {
-      equal = EqualSlots<1, 7>(r, words);
-    } else if (num_words == 2 && bucket_size == 8) {
-      equal = EqualSlots<2, 8>(r, words);
-    } else if (num_words == 1 && bucket_size == 8) {
-      equal = EqualSlots<1, 8>(r, words);
+    if constexpr (kWords > 0) {
+      equal = EqualSlots<kWords, kSlots>(r, words);
     } else {
       for (int64_t s = 0; s < bucket_size; ++s) equal |= uint32_t{SameWords(r + s * num_words, words, num_words)} << s;
     }
@@ -204,7 +224,10 @@ struct Buckets {
     mask(b) += 1u << s;
   }
 
-  int64_t bucket_of(int64_t slot) const { return by_size.div(static_cast<uint32_t>(slot)); }
+  int64_t bucket_of(int64_t slot) const {
+    if constexpr (kSlots > 0) return static_cast<uint32_t>(slot) / kSlots;
+    return by_size.div(static_cast<uint32_t>(slot));
+  }
   int64_t next(int64_t b) const { return b + 1 == num_buckets ? 0 : b + 1; }
   // Buckets from `home` forward to `b` (wrapping).
   int64_t distance(int64_t home, int64_t b) const { return b >= home ? b - home : b - home + num_buckets; }
@@ -218,9 +241,17 @@ struct Buckets {
   }
 };
 
-// Records [num_buckets, width] of keys of `num_words` words.
-Buckets View(uint32_t* records, const ffi::Span<const int64_t> dims, int64_t bucket_size, int64_t num_words) {
-  return Buckets{records, dims[0], dims[1], bucket_size, num_words, Divisor(dims[0]), Divisor(bucket_size)};
+// Calls body(t) with the view `t` of records [num_buckets, width] of keys of `num_words` words,
+// its shape a compile-time constant where it is one of the defaults (see line_slots in
+// open_addressing.py: 7 slots for 1-word keys, 4 for 2-word keys; 8 for an evicting table).
+template <typename Body>
+ffi::Error WithBuckets(uint32_t* records, const ffi::Span<const int64_t> dims, int64_t bucket_size,
+                       int64_t num_words, const Body& body) {
+  if (num_words == 2 && bucket_size == 4) return body(Buckets<2, 4>(records, dims, bucket_size, num_words));
+  if (num_words == 1 && bucket_size == 7) return body(Buckets<1, 7>(records, dims, bucket_size, num_words));
+  if (num_words == 2 && bucket_size == 8) return body(Buckets<2, 8>(records, dims, bucket_size, num_words));
+  if (num_words == 1 && bucket_size == 8) return body(Buckets<1, 8>(records, dims, bucket_size, num_words));
+  return body(Buckets<0, 0>(records, dims, bucket_size, num_words));
 }
 
 constexpr int64_t kAhead = 32;  // rows whose home bucket is fetched ahead of the probe
@@ -295,7 +326,8 @@ void OwnerPerKey(const uint32_t* words, int64_t n, int64_t num_words, const bool
 // row; for a miss, the first slot of its home bucket (as the XLA probe reports) and row 0.
 // Branch free on the common path (the home bucket holds the key, or never overflowed), as
 // hits and misses come unpredictably.
-inline bool Probe(const Buckets& t, const uint32_t* key, int64_t home, int32_t* slot, int32_t* row) {
+template <typename Table>
+inline bool Probe(const Table& t, const uint32_t* key, int64_t home, int32_t* slot, int32_t* row) {
   const uint32_t equal = t.matches(home, key);
   int64_t b = home, s = equal ? __builtin_ctz(equal) : -1;
   if (__builtin_expect(!equal && t.overflow(home) > 0, 0)) {
@@ -313,9 +345,10 @@ inline bool Probe(const Buckets& t, const uint32_t* key, int64_t home, int32_t* 
 
 // The home buckets of `n` key rows `w`, hashed and prefetched kAhead rows before the probe
 // reads them (in a ring, so the hashing overlaps the memory reads it waits for).
+template <typename Table>
 class HomesAhead {
  public:
-  HomesAhead(const Buckets& t, const uint32_t* w, int64_t n) : t_(t), w_(w), n_(n) {
+  HomesAhead(const Table& t, const uint32_t* w, int64_t n) : t_(t), w_(w), n_(n) {
     for (int64_t k = 0; k < std::min(n, kAhead); ++k) Fetch(k);
   }
   // Row k's home bucket; fetches row k + kAhead's.
@@ -330,13 +363,14 @@ class HomesAhead {
     home_[k % kRing] = t_.home(w_ + k * t_.num_words);
     t_.prefetch(home_[k % kRing]);
   }
-  const Buckets& t_;
+  const Table& t_;
   const uint32_t* w_;
   int64_t n_, home_[kRing];
 };
 
 // OpenAddressingTable._locate: whether each of the `n` key rows is present, and its slot.
-void LocateRows(const Buckets& t, const uint32_t* w, int64_t n, bool* hit, int32_t* out) {
+template <typename Table>
+void LocateRows(const Table& t, const uint32_t* w, int64_t n, bool* hit, int32_t* out) {
   HomesAhead homes(t, w, n);
   int32_t row;
   for (int64_t i = 0; i < n; ++i) hit[i] = Probe(t, w + i * t.num_words, homes.Next(i), out + i, &row);
@@ -374,12 +408,14 @@ constexpr int64_t kGrain = 8192;  // rows below which a thread of its own does n
 
 ffi::Error Locate(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records, ffi::Buffer<ffi::U32> words,
                   ffi::ResultBuffer<ffi::PRED> found, ffi::ResultBuffer<ffi::S32> slot, int64_t bucket_size) {
-  Buckets t = View(records.typed_data(), records.dimensions(), bucket_size, words.dimensions()[1]);
-  const uint32_t* w = words.typed_data();
-  ParallelFor(pool, words.dimensions()[0], kGrain, 1, [&](int64_t begin, int64_t end) {
-    LocateRows(t, w + begin * t.num_words, end - begin, found->typed_data() + begin, slot->typed_data() + begin);
+  const int64_t W = words.dimensions()[1];
+  return WithBuckets(records.typed_data(), records.dimensions(), bucket_size, W, [&](const auto& t) {
+    ParallelFor(pool, words.dimensions()[0], kGrain, 1, [&](int64_t begin, int64_t end) {
+      LocateRows(t, words.typed_data() + begin * W, end - begin, found->typed_data() + begin,
+                 slot->typed_data() + begin);
+    });
+    return ffi::Error::Success();
   });
-  return ffi::Error::Success();
 }
 
 // A value leaf of a lookup: rows are read from `from` (a hit) or `fallback` (a miss: its
@@ -402,8 +438,8 @@ inline void CopyValue(const Column& c, int64_t i, bool hit, int32_t row) {
 // OpenAddressingTable._lookup_rows over rows [begin, end): one pass, where a row's record is
 // fetched kAhead rows ahead of its probe and its value rows kLag rows ahead of their copy, so
 // both kinds of reads overlap. kBytes (4 or 8) > 0: a single column of rows that wide.
-template <int64_t kBytes>
-void LookupRows(const Buckets& t, const uint32_t* w, int64_t begin, int64_t end, const std::vector<Column>& columns,
+template <int64_t kBytes, typename Table>
+void LookupRows(const Table& t, const uint32_t* w, int64_t begin, int64_t end, const std::vector<Column>& columns,
                 bool* hit) {
   constexpr int64_t kLag = 16;
   const int64_t len = end - begin, num_columns = kBytes > 0 ? 1 : columns.size();
@@ -434,7 +470,6 @@ void LookupRows(const Buckets& t, const uint32_t* w, int64_t begin, int64_t end,
 ffi::Error Lookup(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records, ffi::Buffer<ffi::U32> words,
                   ffi::RemainingArgs leaves, ffi::ResultBuffer<ffi::PRED> found, ffi::RemainingRets outputs,
                   int64_t bucket_size) {
-  Buckets t = View(records.typed_data(), records.dimensions(), bucket_size, words.dimensions()[1]);
   const int64_t n = words.dimensions()[0], num_leaves = outputs.size();
   if (leaves.size() != static_cast<size_t>(2 * num_leaves)) {
     return ffi::Error::InvalidArgument("jaxres_lookup: expected a default leaf per value leaf");
@@ -450,12 +485,16 @@ ffi::Error Lookup(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records, ffi::Buff
                        bytes, defaults->size_bytes() == static_cast<size_t>(n * bytes) ? bytes : 0});
   }
   const int64_t single = columns.size() == 1 ? columns[0].bytes : 0;
-  auto rows = single == 4 ? LookupRows<4> : single == 8 ? LookupRows<8> : LookupRows<0>;
   bool* hit = found->typed_data();
-  ParallelFor(pool, n, kGrain, 1, [&](int64_t begin, int64_t end) {
-    rows(t, words.typed_data(), begin, end, columns, hit);
+  return WithBuckets(records.typed_data(), records.dimensions(), bucket_size, words.dimensions()[1], [&](const auto& t) {
+    auto rows = single == 4 ? LookupRows<4, std::decay_t<decltype(t)>>
+                : single == 8 ? LookupRows<8, std::decay_t<decltype(t)>>
+                              : LookupRows<0, std::decay_t<decltype(t)>>;
+    ParallelFor(pool, n, kGrain, 1, [&](int64_t begin, int64_t end) {
+      rows(t, words.typed_data(), begin, end, columns, hit);
+    });
+    return ffi::Error::Success();
   });
-  return ffi::Error::Success();
 }
 
 // Lower bounds of `m` keys (`w`, rows of W words) in the sorted rows [base[g], base[g] + len) of
@@ -566,13 +605,41 @@ int64_t Admit(const uint32_t* words, int64_t n, int64_t W, const bool* is_new, i
   return dropped;
 }
 
+// Offsets of the set bits of every byte: kByteBits.nth[b][k] is the k-th (from 0) of byte b's.
+struct ByteBits {
+  uint8_t count[256];
+  uint8_t nth[256][8];
+};
+
+constexpr ByteBits MakeByteBits() {
+  ByteBits bits{};
+  for (int b = 0; b < 256; ++b) {
+    for (int s = 0; s < 8; ++s) {
+      if ((b >> s) & 1) bits.nth[b][bits.count[b]++] = static_cast<uint8_t>(s);
+    }
+  }
+  return bits;
+}
+
+constexpr ByteBits kByteBits = MakeByteBits();
+
+// The offset of the k-th (from 0) set bit of x, for k < BitCount(x); 0 where x is 0. Without a
+// data-dependent branch for buckets of up to 8 slots.
+inline int64_t NthSetBit(uint32_t x, int64_t k) {
+  if (x == 0) return 0;
+  int64_t base = 0;
+  for (; k >= kByteBits.count[x & 0xFFu]; x >>= 8, base += 8) k -= kByteBits.count[x & 0xFFu];
+  return base + kByteBits.nth[x & 0xFFu][k];
+}
+
 // placing.upsert_slots, round for round: locates the rows' keys, admits the new keys that
 // fit, and places them by claims. Each round has two stages. The first reads the records
-// as the round found them: each row's candidate slot (and in round 0 where its key is),
-// rows split over the thread pool. The second settles the claims one row at a time in
-// increasing order, so the first claim of a scratch cell is its lowest writer
-// (claims.lowest_writer); a winner stores its key and takes its value row at once. The
-// overflow counts are raised at the end.
+// as the round found them (rows split over the thread pool): in round 0 where each key is
+// and the free slots of its home bucket, in later rounds each row's candidate slot. The
+// second settles the claims one row at a time in increasing order, so the first claim of a
+// scratch cell is its lowest writer (claims.lowest_writer); a winner stores its key and
+// takes its value row at once. Round 0 lists its claimants without a branch per row, as
+// found and new keys alternate at random. The overflow counts are raised at the end.
 ffi::Error Upsert(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> words_in,
                   ffi::Buffer<ffi::PRED> active, ffi::Buffer<ffi::S32> free_rows, ffi::Buffer<ffi::S32> size_in,
                   ffi::ResultBuffer<ffi::U32> records_out, ffi::ResultBuffer<ffi::PRED> found_out,
@@ -583,8 +650,7 @@ ffi::Error Upsert(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records_in, ffi::B
   if (records != records_in.typed_data()) {
     std::memcpy(records, records_in.typed_data(), records_in.size_bytes());
   }
-  Buckets t = View(records, records_in.dimensions(), bucket_size, words_in.dimensions()[1]);
-  const int64_t n = words_in.dimensions()[0], W = t.num_words, size = bucket_size;
+  const int64_t n = words_in.dimensions()[0];
   const int64_t capacity = free_rows.dimensions()[0], room = capacity - size_in.typed_data()[0];
   const uint32_t* words = words_in.typed_data();
   const bool* is_active = active.typed_data();
@@ -594,115 +660,30 @@ ffi::Error Upsert(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records_in, ffi::B
   int32_t* first = first_out->typed_data();
   int32_t* row = row_out->typed_data();
   dropped_out->typed_data()[0] = 0;
-  std::vector<int64_t> home(n), bucket(n);
-  std::vector<uint32_t> lane(n);
-  std::vector<char> pending(n, 1), hit(n);  // hit: the key was in the table (its value row is known)
-  // What the first stage finds for each position of a round.
-  enum Outcome : char { kIdle, kPlaced, kFull, kTrying };
-  std::vector<char> outcome;
-  std::vector<int32_t> candidate, cell, scratch;
-  std::vector<int64_t> rows, queue, requeue;  // queue: the pending rows after round 0, lowest first
-  std::vector<int64_t> moved;  // winners placed past their home bucket
-  int64_t taken = size_in.typed_data()[0];  // free_rows[taken] is the next new key's value row
-  constexpr int32_t kFree = INT32_MAX;
-  ParallelFor(pool, n, kGrain, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      home[i] = bucket[i] = t.home(words + i * W);
-      lane[i] = (HashWords(words + i * W, W, 1) * 0x9E3779B1u) >> 16;
-    }
-  });
-  for (int32_t rounds = 0; rounds == 0 ? n > 0 : !queue.empty(); ++rounds) {
-    // The rows of this round: all of them first, then up to a chunk of the
-    // pending ones, lowest index first (claims.pending_rows).
-    rows.clear();
-    if (rounds == 0) {
-      for (int64_t i = 0; i < n; ++i) rows.push_back(i);
-    } else {
-      const int64_t chunk = ChunkSize(n), count = std::min<int64_t>(chunk, queue.size());
-      rows.assign(queue.begin(), queue.begin() + count);
-      queue.erase(queue.begin(), queue.begin() + count);
-      rows.resize(chunk, -1);  // padding: idle
-    }
-    const int64_t m = rows.size(), scratch_size = ScratchSize(m);
-    outcome.assign(m, kIdle);
-    candidate.assign(m, 0);
-    cell.assign(m, 0);
-    auto live = [&](int64_t p) { return rows[p] >= 0 && pending[rows[p]]; };
-    // Round 0: where row i's key is; true if it is new (and active).
-    auto locate = [&](int64_t i) {
-      hit[i] = Probe(t, words + i * W, home[i], slot + i, row + i);
-      found[i] = hit[i] && is_active[i];
-      return !hit[i] && is_active[i];
-    };
-    // Stage one: the row's candidate slot and scratch cell, from the records as the round found them.
-    auto pick = [&](int64_t p) {
+  if (n == 0) return ffi::Error::Success();
+  return WithBuckets(records, records_in.dimensions(), bucket_size, words_in.dimensions()[1], [&](const auto& t) {
+    const int64_t W = t.num_words, size = t.bucket_size;
+    std::vector<int64_t> home(n), bucket(n);
+    std::vector<uint32_t> lane(n);
+    std::vector<char> pending(n), hit(n);  // hit: the key was in the table (its value row is known)
+    // What the first stage finds for each position of a round.
+    enum Outcome : char { kPlaced, kFull, kTrying };
+    std::vector<char> outcome;
+    std::vector<int32_t> candidate(n), cell(n), scratch;
+    std::vector<int64_t> rows(n), queue;  // queue: the pending rows after a round, lowest first
+    std::vector<int64_t> moved;  // winners placed past their home bucket
+    int64_t taken = size_in.typed_data()[0];  // free_rows[taken] is the next new key's value row
+    constexpr int32_t kFree = INT32_MAX;
+    const Divisor* divisors = SmallDivisors();
+    const uint32_t all_slots = size == 32 ? ~0u : (1u << size) - 1;
+
+    // Stage two, for position p of a round whose claim is `trying`: the first claim of its
+    // cell takes the slot (stores the key and takes a value row); a later claim of the same
+    // slot by an equal key shares it; any other claim tries again in a later round.
+    auto claim = [&](int64_t p) {
       const int64_t i = rows[p];
-      if (rounds == 0 && !locate(i)) return;
-      const int64_t current = bucket[i];
-      const uint32_t masks = t.mask(current);
-      if (rounds > 0) {  // an equal key of an earlier chunk may have been placed since
-        const int64_t s = t.match(current, words + i * W);
-        if (s >= 0) {
-          outcome[p] = kPlaced;
-          candidate[p] = static_cast<int32_t>(current * size + s);
-          row[i] = static_cast<int32_t>(t.row(current, s));
-          return;
-        }
-      }
-      const int64_t num_free = size - BitCount(masks);
-      if (num_free == 0) {
-        outcome[p] = kFull;
-        return;
-      }
-      const int64_t choice = SmallDivisors()[num_free].mod(lane[i]);
-      int64_t offset = 0;  // the (choice+1)-th free slot
-      for (int64_t s = 0, seen = 0; s < size; ++s) {
-        if (!((masks >> s) & 1u) && seen++ == choice) {
-          offset = s;
-          break;
-        }
-      }
-      outcome[p] = kTrying;
-      candidate[p] = static_cast<int32_t>(current * size + offset);
-      cell[p] = static_cast<int32_t>(CellOf(candidate[p], rounds, scratch_size));
-    };
-    ParallelFor(pool, m, kGrain, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        if (p + kAhead < end && live(p + kAhead)) t.prefetch(bucket[rows[p + kAhead]]);
-        if (live(p)) pick(p);
-      }
-    });
-    if (rounds == 0) {  // which new keys fit
-      for (int64_t i = 0; i < n; ++i) admitted[i] = is_active[i] && !hit[i];
-      const int64_t num_new = std::count(admitted, admitted + n, true);
-      if (num_new > room) {
-        std::vector<char> is_new(admitted, admitted + n);
-        dropped_out->typed_data()[0] =
-            static_cast<int32_t>(Admit(words, n, W, reinterpret_cast<const bool*>(is_new.data()), room, admitted));
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        first[i] = static_cast<int32_t>(i);
-        pending[i] = admitted[i];
-      }
-    }
-    // Stage two: the claims settle, in order.
-    scratch.assign(scratch_size, kFree);
-    auto settle = [&](int64_t p) {
-      const int64_t i = rows[p];
-      switch (outcome[p]) {
-        case kIdle:
-          return;
-        case kPlaced:
-          slot[i] = candidate[p];
-          first[i] = -1;  // placed by an equal key whose row is not known here (resolved below)
-          pending[i] = 0;
-          return;
-        case kFull:
-          bucket[i] = t.next(bucket[i]);
-          return;
-      }
       const int32_t w = scratch[cell[p]];
-      if (w == kFree) {  // the lowest writer of its cell: the slot is its key's
+      if (w == kFree) {
         scratch[cell[p]] = static_cast<int32_t>(p);
         const int64_t b = t.bucket_of(candidate[p]);
         t.store(candidate[p], words + i * W);
@@ -716,44 +697,149 @@ ffi::Error Upsert(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records_in, ffi::B
         first[i] = static_cast<int32_t>(rows[w]);
         row[i] = row[rows[w]];
         pending[i] = 0;
-      }  // else: lost the cell to another slot; tries again in a later round
-    };
-    auto trying = [&](int64_t p) { return live(p) && outcome[p] == kTrying; };
-    for (int64_t p = 0; p < m; ++p) {
-      if (p + kAhead < m && trying(p + kAhead)) {
-        t.prefetch(t.bucket_of(candidate[p + kAhead]));
-        __builtin_prefetch(&scratch[cell[p + kAhead]], 1);
       }
-      if (live(p)) settle(p);
+    };
+
+    // Round 0, stage one: where each key is, and the free slots of its home bucket as the round
+    // found them. Found and new keys come in random order, so this is branch free on the
+    // common path; homes are hashed as their records are fetched.
+    std::vector<uint32_t> free_slots(n);
+    ParallelFor(pool, n, kGrain, 1, [&](int64_t begin, int64_t end) {
+      HomesAhead homes(t, words + begin * W, end - begin);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t h = homes.Next(i - begin);
+        home[i] = bucket[i] = h;
+        hit[i] = Probe(t, words + i * W, h, slot + i, row + i);
+        found[i] = hit[i] && is_active[i];
+        free_slots[i] = ~t.mask(h) & all_slots;
+      }
+    });
+    // Which new keys fit.
+    int64_t num_new = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      admitted[i] = is_active[i] && !hit[i];
+      num_new += admitted[i];
     }
-    // Rows of this round still pending go before the queue's rest (all higher).
-    requeue.clear();
-    for (int64_t p = 0; p < m; ++p) {
-      if (rows[p] >= 0 && pending[rows[p]]) requeue.push_back(rows[p]);
+    if (num_new > room) {
+      std::vector<char> is_new(admitted, admitted + n);
+      dropped_out->typed_data()[0] =
+          static_cast<int32_t>(Admit(words, n, W, reinterpret_cast<const bool*>(is_new.data()), room, admitted));
     }
-    queue.insert(queue.begin(), requeue.begin(), requeue.end());
-  }
-  // Raise the overflow count of every bucket a newly placed key probed past.
-  for (int64_t i : moved) {
-    for (int64_t r = 0, h = home[i], d = t.distance(h, t.bucket_of(slot[i])); r < d; ++r, h = t.next(h)) {
-      t.overflow(h) += 1u;
+    // The admitted rows, listed without a branch per row (admitted and found rows alternate at random).
+    std::vector<int64_t> claimants(n);
+    int64_t num_claimants = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      rows[i] = i;
+      first[i] = static_cast<int32_t>(i);
+      pending[i] = admitted[i];
+      claimants[num_claimants] = i;
+      num_claimants += admitted[i];
     }
-  }
-  // Rare: equal keys split over chunks. Each key's first row is then its slot's lowest row.
-  if (std::any_of(first, first + n, [](int32_t f) { return f < 0; })) {
-    std::vector<uint32_t> slot_words(slot, slot + n);
-    OwnerPerKey(slot_words.data(), n, 1, admitted, false, first);
-  }
-  // The rows neither found nor placed read their slot's value row.
-  auto unknown = [&](int64_t i) { return !admitted[i] && !hit[i]; };
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + kAhead < n && unknown(i + kAhead)) t.prefetch(t.bucket_of(slot[i + kAhead]));
-    if (unknown(i)) {
-      const int64_t b = t.bucket_of(slot[i]);
-      row[i] = static_cast<int32_t>(t.row(b, slot[i] - b * size));
+    // Round 0, stage two: each admitted row claims the free slot its lane picks (none: its
+    // bucket is full and it moves on to the next), in batch order.
+    const int64_t first_scratch = ScratchSize(n);
+    scratch.assign(first_scratch, kFree);
+    for (int64_t j = 0; j < num_claimants; ++j) {
+      const int64_t i = claimants[j];
+      lane[i] = (HashWords(words + i * W, W, 1) * 0x9E3779B1u) >> 16;
+      const int64_t num_free = BitCount(free_slots[i]);
+      if (__builtin_expect(num_free == 0, 0)) {
+        bucket[i] = t.next(bucket[i]);
+        continue;
+      }
+      candidate[i] = static_cast<int32_t>(home[i] * size + NthSetBit(free_slots[i], divisors[num_free].mod(lane[i])));
+      cell[i] = static_cast<int32_t>(CellOf(candidate[i], 0, first_scratch));
+      claim(i);
     }
-  }
-  return ffi::Error::Success();
+    for (int64_t j = 0; j < num_claimants; ++j) scratch[cell[claimants[j]]] = kFree;  // clean for later rounds
+    for (int64_t i = 0; i < n; ++i) {
+      if (pending[i]) queue.push_back(i);
+    }
+
+    // Later rounds: up to a chunk of the pending rows, lowest index first (claims.pending_rows),
+    // with a scratch sized by the chunk as in the reference.
+    const int64_t chunk = ChunkSize(n);
+    for (int32_t rounds = 1; !queue.empty(); ++rounds) {
+      const int64_t m = std::min<int64_t>(chunk, queue.size()), scratch_size = ScratchSize(chunk);
+      rows.assign(queue.begin(), queue.begin() + m);
+      queue.erase(queue.begin(), queue.begin() + m);
+      outcome.assign(m, kTrying);
+      candidate.assign(m, 0);
+      cell.assign(m, 0);
+      // Stage one: the row's candidate slot and scratch cell, from the records as the round found them.
+      auto pick = [&](int64_t p) {
+        const int64_t i = rows[p];
+        const int64_t current = bucket[i];
+        // An equal key of an earlier chunk may have been placed since.
+        const int64_t s = t.match(current, words + i * W);
+        if (s >= 0) {
+          outcome[p] = kPlaced;
+          candidate[p] = static_cast<int32_t>(current * size + s);
+          row[i] = static_cast<int32_t>(t.row(current, s));
+          return;
+        }
+        const uint32_t free = ~t.mask(current) & all_slots;
+        const int64_t num_free = BitCount(free);
+        if (num_free == 0) {
+          outcome[p] = kFull;
+          return;
+        }
+        outcome[p] = kTrying;
+        candidate[p] = static_cast<int32_t>(current * size + NthSetBit(free, divisors[num_free].mod(lane[i])));
+        cell[p] = static_cast<int32_t>(CellOf(candidate[p], rounds, scratch_size));
+      };
+      ParallelFor(pool, m, kGrain, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t p = begin; p < end; ++p) {
+          if (p + kAhead < end) t.prefetch(bucket[rows[p + kAhead]]);
+          pick(p);
+        }
+      });
+      // Stage two: the claims settle, in order.
+      for (int64_t p = 0; p < m; ++p) {
+        const int64_t i = rows[p];
+        switch (outcome[p]) {
+          case kPlaced:
+            slot[i] = candidate[p];
+            first[i] = -1;  // placed by an equal key whose row is not known here (resolved below)
+            pending[i] = 0;
+            break;
+          case kFull:
+            bucket[i] = t.next(bucket[i]);
+            break;
+          case kTrying:
+            claim(p);
+        }
+      }
+      for (int64_t p = 0; p < m; ++p) scratch[cell[p]] = kFree;
+      // Rows of this round still pending go before the queue's rest (all higher).
+      std::vector<int64_t> requeue;
+      for (int64_t p = 0; p < m; ++p) {
+        if (pending[rows[p]]) requeue.push_back(rows[p]);
+      }
+      queue.insert(queue.begin(), requeue.begin(), requeue.end());
+    }
+    // Raise the overflow count of every bucket a newly placed key probed past.
+    for (int64_t i : moved) {
+      for (int64_t r = 0, h = home[i], d = t.distance(h, t.bucket_of(slot[i])); r < d; ++r, h = t.next(h)) {
+        t.overflow(h) += 1u;
+      }
+    }
+    // Rare: equal keys split over chunks. Each key's first row is then its slot's lowest row.
+    if (std::any_of(first, first + n, [](int32_t f) { return f < 0; })) {
+      std::vector<uint32_t> slot_words(slot, slot + n);
+      OwnerPerKey(slot_words.data(), n, 1, admitted, false, first);
+    }
+    // The rows neither found nor placed read their slot's value row.
+    auto unknown = [&](int64_t i) { return !admitted[i] && !hit[i]; };
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + kAhead < n && unknown(i + kAhead)) t.prefetch(t.bucket_of(slot[i + kAhead]));
+      if (unknown(i)) {
+        const int64_t b = t.bucket_of(slot[i]);
+        row[i] = static_cast<int32_t>(t.row(b, slot[i] - b * size));
+      }
+    }
+    return ffi::Error::Success();
+  });
 }
 
 // rows.read_rows: the rows `index` (clipped) of `leaf`, and `leaf` itself as an
@@ -836,104 +922,105 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
   if (records != records_in.typed_data()) std::memcpy(records, records_in.typed_data(), records_in.size_bytes());
   uint32_t* scores = scores_out->typed_data();
   if (scores != scores_in.typed_data()) std::memcpy(scores, scores_in.typed_data(), scores_in.size_bytes());
-  Buckets t = View(records, records_in.dimensions(), bucket_size, words_in.dimensions()[1]);
-  const int64_t n = words_in.dimensions()[0], W = t.num_words, size = bucket_size;
-  const uint32_t* words = words_in.typed_data();
-  const uint32_t* new_score = new_score_in.typed_data();
-  int32_t* step = step_out->typed_data();
-  int32_t* slot = slot_out->typed_data();
-  bool* placed = placed_out->typed_data();
-  bool* refused = refused_out->typed_data();
-  int32_t* victim_slot = victim_slot_out->typed_data();
-  uint32_t* victim_words = victim_words_out->typed_data();
-  uint32_t* victim_score = victim_score_out->typed_data();
-  std::fill(step, step + n, 0);
-  std::fill(slot, slot + n, 0);
-  std::fill(placed, placed + n, false);
-  std::fill(refused, refused + n, false);
-  std::fill(victim_slot, victim_slot + n, 0);
-  std::fill(victim_words, victim_words + n * W, 0u);
-  std::fill(victim_score, victim_score + n, 0u);
-  const int64_t num_named = protect ? named.element_count() : 0;
-  SlotSet taken(num_named + n);  // the slots a row may not evict: named by the call, or placed by it
-  for (int64_t k = 0; k < num_named; ++k) taken.insert(named.typed_data()[k]);
-  std::vector<char> pending(n);
-  std::vector<int64_t> home(n);
-  for (int64_t i = 0; i < n; ++i) {
-    pending[i] = pending_in.typed_data()[i];
-    if (pending[i]) home[i] = t.home(words + i * W);
-  }
-  std::vector<int64_t> rows, cells, bucket;
-  std::vector<int32_t> victim, scratch, writer;
-  std::vector<uint32_t> lowest;
-  std::vector<char> can;
-  for (int32_t rounds = 0; std::any_of(pending.begin(), pending.end(), [](char p) { return p; }); ++rounds) {
-    // This round's rows: the lowest pending ones, up to half the batch first, then a chunk.
-    const int64_t m = rounds == 0 ? std::max<int64_t>(1, n / 2) : ChunkSize(n);
-    rows.clear();
-    for (int64_t i = 0; i < n && static_cast<int64_t>(rows.size()) < m; ++i) {
-      if (pending[i]) rows.push_back(i);
+  return WithBuckets(records, records_in.dimensions(), bucket_size, words_in.dimensions()[1], [&](const auto& t) {
+    const int64_t n = words_in.dimensions()[0], W = t.num_words, size = t.bucket_size;
+    const uint32_t* words = words_in.typed_data();
+    const uint32_t* new_score = new_score_in.typed_data();
+    int32_t* step = step_out->typed_data();
+    int32_t* slot = slot_out->typed_data();
+    bool* placed = placed_out->typed_data();
+    bool* refused = refused_out->typed_data();
+    int32_t* victim_slot = victim_slot_out->typed_data();
+    uint32_t* victim_words = victim_words_out->typed_data();
+    uint32_t* victim_score = victim_score_out->typed_data();
+    std::fill(step, step + n, 0);
+    std::fill(slot, slot + n, 0);
+    std::fill(placed, placed + n, false);
+    std::fill(refused, refused + n, false);
+    std::fill(victim_slot, victim_slot + n, 0);
+    std::fill(victim_words, victim_words + n * W, 0u);
+    std::fill(victim_score, victim_score + n, 0u);
+    const int64_t num_named = protect ? named.element_count() : 0;
+    SlotSet taken(num_named + n);  // the slots a row may not evict: named by the call, or placed by it
+    for (int64_t k = 0; k < num_named; ++k) taken.insert(named.typed_data()[k]);
+    std::vector<char> pending(n);
+    std::vector<int64_t> home(n);
+    for (int64_t i = 0; i < n; ++i) {
+      pending[i] = pending_in.typed_data()[i];
+      if (pending[i]) home[i] = t.home(words + i * W);
     }
-    const int64_t live = rows.size();
-    bucket.resize(live);
-    for (int64_t p = 0; p < live; ++p) bucket[p] = (home[rows[p]] + step[rows[p]]) % t.num_buckets;
-    victim.assign(m, 0);
-    lowest.assign(m, 0);
-    can.assign(m, 0);
-    for (int64_t p = -kAhead; p < live; ++p) {
-      if (p + kAhead < live) {  // the record and scores of a bucket ahead
-        t.prefetch(bucket[p + kAhead]);
-        __builtin_prefetch(scores + bucket[p + kAhead] * size);
+    std::vector<int64_t> rows, cells, bucket;
+    std::vector<int32_t> victim, scratch, writer;
+    std::vector<uint32_t> lowest;
+    std::vector<char> can;
+    for (int32_t rounds = 0; std::any_of(pending.begin(), pending.end(), [](char p) { return p; }); ++rounds) {
+      // This round's rows: the lowest pending ones, up to half the batch first, then a chunk.
+      const int64_t m = rounds == 0 ? std::max<int64_t>(1, n / 2) : ChunkSize(n);
+      rows.clear();
+      for (int64_t i = 0; i < n && static_cast<int64_t>(rows.size()) < m; ++i) {
+        if (pending[i]) rows.push_back(i);
       }
-      if (p < 0) continue;
-      const int64_t b = bucket[p];
-      const uint32_t mask = t.mask(b);
-      uint32_t best = UINT32_MAX;
-      int64_t choice = 0;  // the first minimum, as argmin
-      for (int64_t s = 0; s < size; ++s) {
-        const int32_t candidate = static_cast<int32_t>(b * size + s);
-        const bool eligible = ((mask >> s) & 1u) && !(protect && taken.contains(candidate));
-        if (eligible && scores[candidate] < best) {
-          best = scores[candidate];
-          choice = s;
+      const int64_t live = rows.size();
+      bucket.resize(live);
+      for (int64_t p = 0; p < live; ++p) bucket[p] = (home[rows[p]] + step[rows[p]]) % t.num_buckets;
+      victim.assign(m, 0);
+      lowest.assign(m, 0);
+      can.assign(m, 0);
+      for (int64_t p = -kAhead; p < live; ++p) {
+        if (p + kAhead < live) {  // the record and scores of a bucket ahead
+          t.prefetch(bucket[p + kAhead]);
+          __builtin_prefetch(scores + bucket[p + kAhead] * size);
         }
-      }
-      victim[p] = static_cast<int32_t>(b * size + choice);
-      lowest[p] = best;
-      can[p] = best < new_score[rows[p]];
-    }
-    const int64_t scratch_size = ScratchSize(m);
-    cells.assign(m, 0);
-    for (int64_t p = 0; p < m; ++p) cells[p] = CellOf(victim[p], rounds, scratch_size);
-    LowestWriter(cells, can, scratch_size, scratch, writer);
-    for (int64_t p = 0; p < live; ++p) {
-      const int64_t i = rows[p];
-      if (!can[p]) {
-        if (step[i] < kWindow - 1) {
-          ++step[i];  // on to the next bucket
-        } else {
-          refused[i] = true;
-          pending[i] = 0;
+        if (p < 0) continue;
+        const int64_t b = bucket[p];
+        const uint32_t mask = t.mask(b);
+        uint32_t best = UINT32_MAX;
+        int64_t choice = 0;  // the first minimum, as argmin
+        for (int64_t s = 0; s < size; ++s) {
+          const int32_t candidate = static_cast<int32_t>(b * size + s);
+          const bool eligible = ((mask >> s) & 1u) && !(protect && taken.contains(candidate));
+          if (eligible && scores[candidate] < best) {
+            best = scores[candidate];
+            choice = s;
+          }
         }
-        continue;
+        victim[p] = static_cast<int32_t>(b * size + choice);
+        lowest[p] = best;
+        can[p] = best < new_score[rows[p]];
       }
-      if (writer[p] != p) continue;  // lost its cell: chooses again next round
-      const int32_t v = victim[p];
-      const int64_t b = t.bucket_of(v), s = v - b * size;
-      uint32_t* key = t.record(b) + s * W;
-      std::memcpy(victim_words + i * W, key, W * sizeof(uint32_t));
-      for (int64_t r = 0, h = t.home(key), d = t.distance(h, b); r < d; ++r, h = t.next(h)) t.overflow(h) -= 1u;
-      std::memcpy(key, words + i * W, W * sizeof(uint32_t));
-      for (int64_t r = 0, h = home[i], d = t.distance(h, b); r < d; ++r, h = t.next(h)) t.overflow(h) += 1u;
-      scores[v] = new_score[i];
-      if (protect) taken.insert(v);
-      slot[i] = victim_slot[i] = v;
-      victim_score[i] = lowest[p];
-      placed[i] = true;
-      pending[i] = 0;
+      const int64_t scratch_size = ScratchSize(m);
+      cells.assign(m, 0);
+      for (int64_t p = 0; p < m; ++p) cells[p] = CellOf(victim[p], rounds, scratch_size);
+      LowestWriter(cells, can, scratch_size, scratch, writer);
+      for (int64_t p = 0; p < live; ++p) {
+        const int64_t i = rows[p];
+        if (!can[p]) {
+          if (step[i] < kWindow - 1) {
+            ++step[i];  // on to the next bucket
+          } else {
+            refused[i] = true;
+            pending[i] = 0;
+          }
+          continue;
+        }
+        if (writer[p] != p) continue;  // lost its cell: chooses again next round
+        const int32_t v = victim[p];
+        const int64_t b = t.bucket_of(v), s = v - b * size;
+        uint32_t* key = t.record(b) + s * W;
+        std::memcpy(victim_words + i * W, key, W * sizeof(uint32_t));
+        for (int64_t r = 0, h = t.home(key), d = t.distance(h, b); r < d; ++r, h = t.next(h)) t.overflow(h) -= 1u;
+        std::memcpy(key, words + i * W, W * sizeof(uint32_t));
+        for (int64_t r = 0, h = home[i], d = t.distance(h, b); r < d; ++r, h = t.next(h)) t.overflow(h) += 1u;
+        scores[v] = new_score[i];
+        if (protect) taken.insert(v);
+        slot[i] = victim_slot[i] = v;
+        victim_score[i] = lowest[p];
+        placed[i] = true;
+        pending[i] = 0;
+      }
     }
-  }
-  return ffi::Error::Success();
+    return ffi::Error::Success();
+  });
 }
 
 }  // namespace
