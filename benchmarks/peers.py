@@ -44,6 +44,11 @@ class Peer:
   name: str
   supports = frozenset({"insert", "find", "remove", "step"})
 
+  def fresh(self, capacity: int) -> None:
+    """An empty table in place of the old one, whose memory is given back first (timed with inserts)."""
+    self.table = None
+    self.table = self._empty(capacity)
+
   def build(self, capacity: int, keys: np.ndarray, values: np.ndarray, batch: int) -> None:
     """A fresh table holding these entries (not timed)."""
     self.fresh(capacity)
@@ -59,9 +64,9 @@ class Jaxres(Peer):
     self.name, self.storage, self.width = f"jaxres {storage.__name__}", storage, width
     self.table = None
 
-  def fresh(self, capacity: int) -> None:
+  def _empty(self, capacity: int):
     value = jax.ShapeDtypeStruct((self.width,) if self.width > 1 else (), jnp.float32)
-    self.table = self.storage.create(capacity, key=jnp.int64, value=value, default=0.0)
+    return self.storage.create(capacity, key=jnp.int64, value=value, default=0.0)
 
   def batch(self, keys: np.ndarray, values: np.ndarray):
     return jnp.asarray(keys), jnp.asarray(values)
@@ -113,18 +118,17 @@ class TensorFlow(Peer):
   def _default(self):
     return self.tf.zeros([self.width]) if self.width > 1 else self.tf.constant(0.0)
 
-  def fresh(self, capacity: int) -> None:
+  def _empty(self, capacity: int):
     tf, lookup = self.tf, self.tf.lookup
     if self.kind == "MutableHashTable":
-      self.table = lookup.experimental.MutableHashTable(tf.int64, tf.float32, default_value=self._default())
-    else:
-      self.table = lookup.experimental.DenseHashTable(
-        tf.int64,
-        tf.float32,
-        default_value=self._default(),
-        empty_key=self.EMPTY_KEY,
-        deleted_key=self.DELETED_KEY,
-      )
+      return lookup.experimental.MutableHashTable(tf.int64, tf.float32, default_value=self._default())
+    return lookup.experimental.DenseHashTable(
+      tf.int64,
+      tf.float32,
+      default_value=self._default(),
+      empty_key=self.EMPTY_KEY,
+      deleted_key=self.DELETED_KEY,
+    )
 
   def batch(self, keys: np.ndarray, values: np.ndarray):
     return self.tf.constant(keys), self.tf.constant(values)
@@ -157,8 +161,8 @@ class PythonDict(Peer):
   def __init__(self, width: int):
     self.name, self.width, self.table = "Python dict", width, {}
 
-  def fresh(self, capacity: int) -> None:
-    self.table = {}
+  def _empty(self, capacity: int):
+    return {}
 
   def batch(self, keys: np.ndarray, values: np.ndarray):
     return keys.tolist(), list(values) if self.width > 1 else values.tolist()

@@ -1,29 +1,37 @@
 """``python -m benchmarks``: jaxres against tf.lookup and a dict, side by side.
 
 Runs every workload of :mod:`benchmarks.workloads` on every peer of
-:mod:`benchmarks.peers` in this process, on the same data, with
-``jax_enable_x64`` on (int64 keys as JAX sees them natively). Prints a
-markdown report (throughputs, ratios to TF ``MutableHashTable`` against the
-targets, per-call cost against capacity), saves it with the machine's
-description under ``benchmarks/results/`` and plots throughput against
-capacity. Needs the ``bench`` extra (``pip install -e '.[bench]'``).
+:mod:`benchmarks.peers`, on the same data, with ``jax_enable_x64`` on (int64
+keys as JAX sees them natively), in ``--runs`` separate processes (3 by
+default; each process measures every peer, starting with a different one).
+Every figure is the median of the runs, with their range. Prints a markdown
+report (throughputs, ratios to TF ``MutableHashTable`` against the targets,
+per-call cost against capacity), saves it with the machine's description
+under ``benchmarks/results/`` and plots throughput against capacity. Needs the
+``bench`` extra (``pip install -e '.[bench]'``).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import jax
+import numpy as np
 
 jax.config.update("jax_enable_x64", True)
 
 from benchmarks import peers, workloads  # noqa: E402  (after the x64 switch)
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 REFERENCE = "TF MutableHashTable"
 DENSE = "TF DenseHashTable"
 OURS = "jaxres OpenAddressingTable"
@@ -93,7 +101,22 @@ def _metrics(name: str, results: dict, wide: dict) -> dict:
   return {**results.get(name, {}), **{f"{k}@64": v for k, v in wide.get(name, {}).items()}}
 
 
-def report(results: dict, wide: dict, sweep: dict, n: int, title: str) -> str:
+def _method(n: int, runs: int) -> str:
+  """How the figures of the report were measured."""
+  return " ".join(
+    [
+      f"Medians of {runs} runs (separate processes, each the median of {workloads.RUNS} timed repeats),",
+      "with the range of the runs; throughputs in million keys per second.",
+      f"The step inserts then finds 4096 keys (half known, half new) on a table holding {n:,} keys;",
+      "the 4096-key find looks up 4096 queries (half hits) per call.",
+      "Bytes per entry: jaxres counts the arrays of a table created with capacity for exactly its",
+      "entries (the timed tables have room for the step's new keys too); TF and dict count the growth",
+      "of the process's resident memory.",
+    ]
+  )
+
+
+def report(results: dict, wide: dict, sweep: dict, n: int, title: str, runs: int = 1) -> str:
   columns = [("insert", "insert M/s"), ("find", "find M/s"), ("find_1call", "find, one call M/s")]
   columns += [("remove", "remove M/s"), ("find_us", "4096-key find µs"), ("step_us", "4096-key step µs")]
   columns += [("bytes/entry", "bytes/entry")]
@@ -133,12 +156,7 @@ def report(results: dict, wide: dict, sweep: dict, n: int, title: str) -> str:
       f"# {title}",
       f"Machine: {machine()}.",
       f"## {n:,} int64 keys → float32, batches of {workloads.BATCH:,}",
-      f"Medians of {workloads.RUNS} timed runs, with their range; throughputs in million keys per "
-      f"second. The step inserts then finds 4096 keys (half known, half new) on a table holding {n:,} "
-      "keys; the 4096-key find looks up 4096 queries (half hits) per call. Bytes per entry: jaxres "
-      "counts the arrays of a table created with capacity for exactly its entries (the timed tables "
-      "have room for the step's new keys too); TF and dict count the growth of the process's "
-      "resident memory.",
+      _method(n, runs),
       _table(main),
       f"## {n:,} int64 keys → float32[64]",
       _table(wide_rows),
@@ -177,42 +195,92 @@ def plot(sweep: dict, path: Path) -> None:
   fig.savefig(path, dpi=110)
 
 
+def measure_once(keys: int, max_capacity_log2: int, first: int = 0) -> dict:
+  """One run in this process: every peer's figures, the peers taken from the ``first``-th on (in turn)."""
+  turn = lambda names: names[first % len(names) :] + names[: first % len(names)]
+  results = {}
+  for name in turn(MAIN_PEERS):
+    peer = peers.make(name, width=1)
+    results[peer.name] = workloads.measure(peer, workloads.Data(keys, 1))
+    if results[peer.name]["bytes/entry"] is None:
+      results[peer.name]["bytes/entry"] = workloads.resident_bytes_per_entry(name, keys, 1)
+    print(f"measured {peer.name}: {results[peer.name]}", flush=True)
+  wide_data = workloads.Data(keys, 64)
+  wide = {}
+  for name in turn(WIDE_PEERS):
+    peer = peers.make(name, width=64)
+    wide[peer.name] = workloads.measure(peer, wide_data)
+    if wide[peer.name]["bytes/entry"] is None:
+      wide[peer.name]["bytes/entry"] = workloads.resident_bytes_per_entry(name, keys, 64)
+    print(f"measured {peer.name} (64-wide): {wide[peer.name]}", flush=True)
+  del wide_data
+  sweep = {}
+  for log2 in range(16, max_capacity_log2 + 1, 2):
+    capacity = 1 << log2
+    sweep[capacity] = {}
+    for name in turn(SWEEP_PEERS):
+      peer = peers.make(name, width=1)
+      sweep[capacity][peer.name] = workloads.per_call(peer, capacity)
+    print(f"capacity 2^{log2}: {sweep[capacity]}", flush=True)
+  return {"results": results, "wide": wide, "sweep": sweep}
+
+
+def combine(runs: list[dict]) -> dict:
+  """Per peer and metric, the median of the runs' figures, with their range as its spread.
+
+  ``runs``: figures by peer (``{peer: {metric: value}}``), one per run; peers
+  come in the order of the first run.
+
+  Example:
+    >>> combine([{"a": {"find": 1.0}}, {"a": {"find": 3.0}}, {"a": {"find": 2.0}}])
+    {'a': {'find': 2.0, 'spread': {'find': (1.0, 3.0)}}}
+  """
+  combined = {}
+  for name, figures in runs[0].items():
+    metrics = {}
+    for metric in figures:
+      if metric == "spread":
+        continue
+      values = [run[name][metric] for run in runs if run[name].get(metric) is not None]
+      metrics[metric] = float(np.median(values)) if values else None
+      if values:
+        metrics.setdefault("spread", {})[metric] = (min(values), max(values))
+    combined[name] = metrics
+  return combined
+
+
+def _run_in_process(keys: int, max_capacity_log2: int, first: int) -> dict:
+  """:func:`measure_once` in a fresh Python process (``python -m benchmarks --once-to``)."""
+  with tempfile.TemporaryDirectory() as folder:
+    out = Path(folder) / "run.json"
+    command = [sys.executable, "-m", "benchmarks", "--keys", str(keys)]
+    command += ["--max-capacity-log2", str(max_capacity_log2), "--first", str(first), "--once-to", str(out)]
+    subprocess.run(command, cwd=ROOT, check=True)
+    figures = json.loads(out.read_text())
+  figures["sweep"] = {int(c): by_peer for c, by_peer in figures["sweep"].items()}
+  return figures
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--keys", type=int, default=1 << 20, help="entries (default 1M)")
   parser.add_argument(
     "--max-capacity-log2", type=int, default=24, help="largest capacity of the sweep (2^24)"
   )
+  parser.add_argument("--runs", type=int, default=3, help="runs, each a separate process (default 3)")
   parser.add_argument("--out", type=Path, default=RESULTS, help="where the report and plot go")
+  parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)  # a run's first peer
+  parser.add_argument("--once-to", type=Path, help=argparse.SUPPRESS)  # one run here, its figures to a file
   args = parser.parse_args(argv)
+  if args.once_to is not None:
+    args.once_to.write_text(json.dumps(measure_once(args.keys, args.max_capacity_log2, args.first)))
+    return
 
-  results = {}
-  for name in MAIN_PEERS:
-    peer = peers.make(name, width=1)
-    results[peer.name] = workloads.measure(peer, workloads.Data(args.keys, 1))
-    if results[peer.name]["bytes/entry"] is None:
-      results[peer.name]["bytes/entry"] = workloads.resident_bytes_per_entry(name, args.keys, 1)
-    print(f"measured {peer.name}: {results[peer.name]}", flush=True)
-  wide_data = workloads.Data(args.keys, 64)
-  wide = {}
-  for name in WIDE_PEERS:
-    peer = peers.make(name, width=64)
-    wide[peer.name] = workloads.measure(peer, wide_data)
-    if wide[peer.name]["bytes/entry"] is None:
-      wide[peer.name]["bytes/entry"] = workloads.resident_bytes_per_entry(name, args.keys, 64)
-    print(f"measured {peer.name} (64-wide): {wide[peer.name]}", flush=True)
-  del wide_data
-  sweep = {}
-  for log2 in range(16, args.max_capacity_log2 + 1, 2):
-    capacity = 1 << log2
-    sweep[capacity] = {}
-    for name in SWEEP_PEERS:
-      peer = peers.make(name, width=1)
-      sweep[capacity][peer.name] = workloads.per_call(peer, capacity)
-    print(f"capacity 2^{log2}: {sweep[capacity]}", flush=True)
-
+  runs = [_run_in_process(args.keys, args.max_capacity_log2, first) for first in range(args.runs)]
+  results, wide = (combine([run[part] for run in runs]) for part in ("results", "wide"))
+  sweep = {c: combine([run["sweep"][c] for run in runs]) for c in runs[0]["sweep"]}
   today = datetime.date.today().isoformat()
-  text = report(results, wide, sweep, args.keys, f"jaxres benchmarks, {today}")
+  text = report(results, wide, sweep, args.keys, f"jaxres benchmarks, {today}", runs=args.runs)
   args.out.mkdir(parents=True, exist_ok=True)
   for name in ("latest.md", f"{today}-{platform.node() or 'machine'}.md"):
     (args.out / name).write_text(text + "\n")
