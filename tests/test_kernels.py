@@ -200,6 +200,32 @@ def test_sampled_search_of_large_tables_equals_its_reference(num_words):
 
 
 @pytest.mark.skipif(not native.ENABLED, reason="kernels off")
+@pytest.mark.parametrize("num_words", [1, 2, 3])
+@pytest.mark.parametrize("spread", ["even", "consecutive", "two clusters"])
+def test_sampled_search_equals_its_reference_however_keys_spread(num_words, spread):
+  """The sample's directory splits on the bits its keys do not share: keys spread evenly,
+  consecutive keys (one shared prefix) and two far clusters all give the reference's bounds,
+  for keys in the table, between its rows and outside its range."""
+  rng = np.random.default_rng(7)
+  pool = rng.integers(0, 2**32, (5000, num_words), dtype=np.uint32)
+  if spread == "consecutive":
+    pool[:] = 12345
+    pool[:, -1] = 10**6 + 3 * rng.permutation(5000)
+  elif spread == "two clusters":
+    pool[:, 0] = np.where(rng.random(5000) < 0.5, 7, 2**32 - 7)
+  table = jr.SortedTable.create(5000, key=KEYS[num_words], value=jnp.float32)
+  table = table._upsert_rows(jnp.asarray(pool), [jnp.zeros(5000, jnp.float32)], None, "insert")[0]
+  rows = np.asarray(table.keys)[: int(table.count)]
+  near = rows[rng.integers(0, len(rows), 600)]
+  near[:300, -1] += rng.integers(0, 3, 300, dtype=np.uint32)  # on and just above rows
+  everywhere = rng.integers(0, 2**32, (600, num_words), dtype=np.uint32)
+  words = jnp.asarray(np.concatenate([near, everywhere, np.roll(near, 1, axis=1)]))
+  kernel, reference = _search(table, words, False), _search(table, words, True)
+  _assert_same(kernel, reference)
+  assert 0 < int(np.sum(reference[0])) < words.shape[0]
+
+
+@pytest.mark.skipif(not native.ENABLED, reason="kernels off")
 @settings(max_examples=20, deadline=None)
 @given(values=st.lists(st.integers(-(2**31), 2**31 - 1), max_size=64), as_mask=st.booleans())
 def test_prefix_sum_kernel_equals_numpy_cumsum(values, as_mask):
