@@ -797,21 +797,31 @@ ffi::Error Upsert(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records_in, ffi::B
       claimants[num_claimants] = i;
       num_claimants += admitted[i];
     }
-    // Round 0, stage two: each admitted row claims the free slot its lane picks (none: its
-    // bucket is full and it moves on to the next), in batch order.
+    // Round 0, stage two: each admitted row claims the free slot its lane picks (none, marked
+    // -1: its bucket is full and it moves on to the next), in batch order, with the records and
+    // scratch cells of the claims kAhead ahead fetched.
     const int64_t first_scratch = ScratchSize(n);
+    ParallelFor(pool, num_claimants, kGrain, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) {
+        const int64_t i = claimants[j];
+        lane[i] = (HashWords(words + i * W, W, 1) * 0x9E3779B1u) >> 16;
+        const int64_t num_free = BitCount(free_slots[i]);
+        if (__builtin_expect(num_free == 0, 0)) {
+          candidate[i] = -1;
+          bucket[i] = t.next(bucket[i]);
+          continue;
+        }
+        candidate[i] = static_cast<int32_t>(home[i] * size + NthSetBit(free_slots[i], divisors[num_free].mod(lane[i])));
+        cell[i] = static_cast<int32_t>(CellOf(candidate[i], 0, first_scratch));
+      }
+    });
     scratch.assign(first_scratch, kFree);
     for (int64_t j = 0; j < num_claimants; ++j) {
-      const int64_t i = claimants[j];
-      lane[i] = (HashWords(words + i * W, W, 1) * 0x9E3779B1u) >> 16;
-      const int64_t num_free = BitCount(free_slots[i]);
-      if (__builtin_expect(num_free == 0, 0)) {
-        bucket[i] = t.next(bucket[i]);
-        continue;
+      if (j + kAhead < num_claimants && candidate[claimants[j + kAhead]] >= 0) {
+        t.prefetch(home[claimants[j + kAhead]]);
+        __builtin_prefetch(&scratch[cell[claimants[j + kAhead]]], 1);
       }
-      candidate[i] = static_cast<int32_t>(home[i] * size + NthSetBit(free_slots[i], divisors[num_free].mod(lane[i])));
-      cell[i] = static_cast<int32_t>(CellOf(candidate[i], 0, first_scratch));
-      claim(i);
+      if (candidate[claimants[j]] >= 0) claim(claimants[j]);
     }
     for (int64_t j = 0; j < num_claimants; ++j) scratch[cell[claimants[j]]] = kFree;  // clean for later rounds
     for (int64_t i = 0; i < n; ++i) {
