@@ -6,7 +6,8 @@
 * remove half of the keys, batches of 65536;
 * the training-step pattern: insert then find a 4096-key batch (half known
   ids, half new) on a table holding ``n`` keys, time per call;
-* per-call cost at a fixed 4096-key batch on tables of growing capacity.
+* per-call cost at a fixed 4096-key batch on tables of growing capacity (new
+  batches, and one batch again and again).
 
 Every timed loop runs once untimed first (compilation, tracing, warm caches),
 then ``repeats`` timed runs: each metric is their median, with the range of the
@@ -203,7 +204,12 @@ def measure(peer, data: Data, repeats: int = RUNS) -> dict[str, float]:
 
 
 def per_call(peer, capacity: int, calls: int = 50) -> dict[str, float]:
-  """µs per call of a 4096-key find and insert+find on a table half full at ``capacity``."""
+  """µs per call of a 4096-key find and insert+find on a table half full at ``capacity``.
+
+  Each call takes a new batch, except in ``find_again_us``, where one batch is
+  found over and over: the same work with its memory in cache, so that a cost
+  growing with capacity shows as cache misses, not as more work.
+  """
   n = capacity // 2
   keys = distinct_keys(n + calls * STEP_BATCH, seed=3)
   values = np.ones(n + calls * STEP_BATCH, np.float32)
@@ -218,6 +224,13 @@ def per_call(peer, capacity: int, calls: int = 50) -> dict[str, float]:
     peer.wait(out)
 
   result["find_us"] = float(np.median(_times(finds, RUNS))) / calls * 1e6
+
+  def finds_again():  # one batch, its memory in cache: the work per call without the misses
+    for _ in range(calls):
+      out = peer.find(known[0])
+    peer.wait(out)
+
+  result["find_again_us"] = float(np.median(_times(finds_again, RUNS))) / calls * 1e6
   if "step" in peer.supports:
     half = STEP_BATCH // 2
     new = keys[n:]

@@ -32,6 +32,12 @@ text = run.report(results, wide, sweep, 4096, "smoke")
 assert "| find, batches of 65,536 | " in text and "2^12" in text, text
 lo, hi = results[OA]["spread"]["step_us"]
 assert lo <= results[OA]["step_us"] <= hi, results[OA]
+assert {"find_us", "find_again_us", "step_us"} <= set(sweep[1 << 12][OA]), sweep
+# three runs: the median of each figure, and the runs' range
+slower = {name: {**figures, "find": figures["find"] / 2} for name, figures in results.items()}
+combined = run.combine([results, slower, slower])
+assert combined[OA]["find"] == slower[OA]["find"], combined[OA]
+assert combined[OA]["spread"]["find"] == (slower[OA]["find"], results[OA]["find"]), combined[OA]
 print("ok")
 """
 
