@@ -488,7 +488,8 @@ ffi::Error Lookup(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records, ffi::Buff
   }
   const int64_t single = columns.size() == 1 ? columns[0].bytes : 0;
   bool* hit = found->typed_data();
-  return WithBuckets(records.typed_data(), records.dimensions(), bucket_size, words.dimensions()[1], [&](const auto& t) {
+  const int64_t W = words.dimensions()[1];
+  return WithBuckets(records.typed_data(), records.dimensions(), bucket_size, W, [&](const auto& t) {
     auto rows = single == 4 ? LookupRows<4, std::decay_t<decltype(t)>>
                 : single == 8 ? LookupRows<8, std::decay_t<decltype(t)>>
                               : LookupRows<0, std::decay_t<decltype(t)>>;
@@ -573,7 +574,9 @@ class SampleIndex {
 
  private:
   // The directory cell of a prefix in [low_, high_]: its bits after the shared ones.
-  int64_t Cell(uint64_t prefix) const { return bits_ == 0 ? 0 : static_cast<int64_t>((prefix << shared_) >> (64 - bits_)); }
+  int64_t Cell(uint64_t prefix) const {
+    return bits_ == 0 ? 0 : static_cast<int64_t>((prefix << shared_) >> (64 - bits_));
+  }
 
   int64_t num_words_;
   std::vector<uint32_t> sample_;
@@ -604,7 +607,8 @@ ffi::Error Search(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> sorted, ffi::Buffe
         const int64_t m = std::min(kGroup, end - start), len = sampled ? kSampleEvery : count;
         const uint32_t* group = w + start * W;
         int64_t base[kGroup] = {};
-        // Block j-1 of the sample holds the last row below the key; its lower bound is in the 64 rows after it.
+        // Block j-1 of the sample holds the last row below the key: its lower bound is in the
+        // 64 rows after that block's first.
         for (int64_t g = 0; sampled && g < m; ++g) {
           const int64_t j = index->LowerBound(group + g * W);
           base[g] = j == 0 ? 0 : (j - 1) * kSampleEvery + 1;
@@ -811,7 +815,8 @@ ffi::Error Upsert(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records_in, ffi::B
           bucket[i] = t.next(bucket[i]);
           continue;
         }
-        candidate[i] = static_cast<int32_t>(home[i] * size + NthSetBit(free_slots[i], divisors[num_free].mod(lane[i])));
+        const int64_t offset = NthSetBit(free_slots[i], divisors[num_free].mod(lane[i]));
+        candidate[i] = static_cast<int32_t>(home[i] * size + offset);
         cell[i] = static_cast<int32_t>(CellOf(candidate[i], 0, first_scratch));
       }
     });
