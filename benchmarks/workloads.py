@@ -207,8 +207,8 @@ def per_call(peer, capacity: int, calls: int = 50) -> dict[str, float]:
   """µs per call of a 4096-key find and insert+find on a table half full at ``capacity``.
 
   Each call takes a new batch, except in ``find_again_us``, where one batch is
-  found over and over: the same work with its memory in cache, so that a cost
-  growing with capacity shows as cache misses, not as more work.
+  found over and over: the same work with its lines in cache, which separates
+  the cache misses of a larger table from its page walks and its work.
   """
   n = capacity // 2
   keys = distinct_keys(n + calls * STEP_BATCH, seed=3)
@@ -225,7 +225,7 @@ def per_call(peer, capacity: int, calls: int = 50) -> dict[str, float]:
 
   result["find_us"] = float(np.median(_times(finds, RUNS))) / calls * 1e6
 
-  def finds_again():  # one batch, its memory in cache: the work per call without the misses
+  def finds_again():  # one batch, its lines in cache: the misses of new batches left out
     for _ in range(calls):
       out = peer.find(known[0])
     peer.wait(out)
