@@ -15,6 +15,7 @@ from jaxres._core.eviction import Evicted as Evicted
 from jaxres._core.open_addressing import OpenAddressingTable as OpenAddressingTable
 from jaxres._core.sharded import ShardedTable as ShardedTable
 from jaxres._core.sorted_table import SortedTable as SortedTable
+from jaxres._core.table import RowHandles as RowHandles
 from jaxres._core.table import Table as Table
 from jaxres._integrations import nnx as _nnx  # noqa: F401  (registers the NNX checkpoint adapters)
 from jaxres._nn.embedding import DynamicEmbedding as DynamicEmbedding
@@ -50,6 +51,7 @@ __all__ = [
   "OpenAddressingTable",
   "Resource",
   "ResourceManager",
+  "RowHandles",
   "ShardedTable",
   "SortedTable",
   "StaticHashTable",

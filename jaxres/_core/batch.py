@@ -61,28 +61,49 @@ def unsort(groups: Groups, x):
   return jax.tree.map(lambda a: jnp.zeros_like(a).at[groups.perm].set(a, unique_indices=True), x)
 
 
-def group_sums(words: jax.Array, x: jax.Array) -> jax.Array:
-  """For each row, the sum of ``x`` over the rows of its key (``x``: ``[N, ...]``), in batch order.
+def tree_sums(group_of: jax.Array, x: jax.Array) -> jax.Array:
+  """For each row, the sum of ``x`` over the rows of its group, as a balanced tree in batch order.
 
-  The sums are a segmented scan over the sorted batch, so their order of
-  floating-point additions is fixed: bitwise the same on every run and
-  backend (a scatter-add with duplicate indices is not, on GPU).
+  ``group_of``: ``int32[N]``, equal for the rows of a group (an id's value
+  row, say). A group's rows ``r0, r1, r2, ...`` (in batch order) are added as
+  ``(x[r0] + x[r1]) + (x[r2] + x[r3]) ...``: the bits of a sum depend on the
+  group's own rows alone, not on how the group numbers sort among others, so
+  the same ids give the same sums whatever rows a table gave them. No
+  scatter with duplicate indices is involved: bitwise reproducible on every
+  backend.
 
   Example:
     >>> import jax.numpy as jnp
-    >>> words = jnp.array([[3], [1], [3]], jnp.uint32)
-    >>> group_sums(words, jnp.array([1.0, 2.0, 4.0])).tolist()
-    [5.0, 2.0, 5.0]
+    >>> tree_sums(jnp.array([7, 2, 7, 7]), jnp.array([1.0, 2.0, 4.0, 8.0])).tolist()
+    [13.0, 2.0, 13.0, 13.0]
   """
-  groups = group(words)
+  n = group_of.shape[0]
+  index = jnp.arange(n, dtype=jnp.int32)
+  _, perm = lax.sort((group_of.astype(jnp.int32), index), num_keys=1, is_stable=True)
+  sorted_group = group_of[perm]
+  head = jnp.concatenate([jnp.ones(1, bool), sorted_group[1:] != sorted_group[:-1]])
+  tail = jnp.concatenate([sorted_group[1:] != sorted_group[:-1], jnp.ones(1, bool)])
+  start = lax.cummax(jnp.where(head, index, 0))
+  end = lax.cummin(jnp.where(tail, index, n - 1), reverse=True)
+  rank, length = index - start, end - start + 1
+  partial = x[perm]
 
-  def add(a, b):
-    (sum_a, head_a), (sum_b, head_b) = a, b
-    restart = head_b.reshape(head_b.shape + (1,) * (sum_b.ndim - head_b.ndim))
-    return jnp.where(restart, sum_b, sum_a + sum_b), head_a | head_b
+  def combine(state):
+    step, partial = state
+    partner = index + step
+    adds = (rank % (2 * step) == 0) & (rank + step < length)
+    other = partial[jnp.minimum(partner, n - 1)]
+    widen = adds.reshape(adds.shape + (1,) * (x.ndim - 1))
+    return 2 * step, jnp.where(widen, partial + other, partial)
 
-  totals, _ = lax.associative_scan(add, (x[groups.perm], groups.head))
-  return unsort(groups, totals[groups.end])
+  longest = jnp.max(length)
+  _, partial = lax.while_loop(lambda s: s[0] < longest, combine, (jnp.int32(1), partial))
+  return unsort_rows(perm, partial[start])
+
+
+def unsort_rows(perm: jax.Array, x: jax.Array) -> jax.Array:
+  """Rows of ``x`` in sorted order (``perm``: sorted position -> batch index) back in batch order."""
+  return jnp.zeros_like(x).at[perm].set(x, unique_indices=True)
 
 
 def first_occurrence_rank(groups: Groups, selected: jax.Array) -> jax.Array:

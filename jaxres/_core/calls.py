@@ -36,11 +36,15 @@ class Rows(NamedTuple):
   batch: tuple[int, ...]  # the caller's batch shape
 
 
-def prepare(table, keys, values=NO_VALUES, valid=None, scores=None, *, explicit_scores: bool = False) -> Rows:
+def prepare(
+  table, keys, values=NO_VALUES, valid=None, scores=None, *, explicit_scores: bool = False, inserts=None
+) -> Rows:
   """Checks and encodes a call's arguments (``values=NO_VALUES``: a call that takes keys only).
 
   ``explicit_scores``: the scores of entries being moved (``import_``): any
-  table with an eviction policy takes them, none requires them.
+  table with an eviction policy takes them, none requires them. ``inserts``:
+  whether the call inserts keys (and so takes scores); by default, whether it
+  takes values.
 
   Raises:
     TypeError, ValueError: naming ``keys``, ``values``, ``valid`` or ``scores``.
@@ -49,8 +53,9 @@ def prepare(table, keys, values=NO_VALUES, valid=None, scores=None, *, explicit_
   words = words.reshape(-1, table.key_spec.num_words)
   n = words.shape[0]
   leaves = [] if values is NO_VALUES else value_leaves(table, values, batch)
-  active = _active(valid, batch)
-  given = _given(table, scores, batch, values is not NO_VALUES, explicit_scores)
+  active = check_valid(valid, batch)
+  inserts = values is not NO_VALUES if inserts is None else inserts
+  given = _given(table, scores, batch, inserts, explicit_scores)
   if codec.is_traced(words) or not n:
     return Rows(words, leaves, active, given, n, batch)
   size = max(_MIN_EAGER_ROWS, 1 << (n - 1).bit_length())
@@ -105,7 +110,25 @@ def evicted(table, result, rows: Rows) -> Evicted:
   return Evicted(keys, output(table, leaves, batch), scores.reshape(batch), valid.reshape(batch))
 
 
-def _active(valid, batch) -> jax.Array | None:
+def row_index(index) -> tuple[jax.Array, tuple[int, ...], int]:
+  """The rows of ``Table.read_rows`` and ``write_rows``: ``(index int32[N], batch, n)``, eager ones padded.
+
+  Raises:
+    TypeError: ``index`` is not an integer array.
+  """
+  index = index if isinstance(index, jax.Array) else jnp.asarray(np.asarray(index))
+  if not jnp.issubdtype(index.dtype, jnp.integer):
+    raise TypeError(f"index: expected int32 rows (from find_rows or find_or_insert_rows), got {index.dtype}.")
+  batch, n = tuple(index.shape), math.prod(index.shape)
+  index = index.reshape(-1).astype(jnp.int32)
+  if codec.is_traced(index) or not n:
+    return index, batch, n
+  size = max(_MIN_EAGER_ROWS, 1 << (n - 1).bit_length())
+  return jnp.pad(index, (0, size - n), constant_values=-1), batch, n
+
+
+def check_valid(valid, batch) -> jax.Array | None:
+  """``valid`` as a flat mask (``None`` stays ``None``); ``ValueError`` unless it is ``bool[*batch]``."""
   if valid is None:
     return None
   active = jnp.asarray(valid)

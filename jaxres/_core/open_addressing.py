@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -255,6 +256,42 @@ class OpenAddressingTable(Storage):
   # ---------------------------------------------------------- mutations
 
   def _upsert_rows(self, words, leaves, active, mode, given=None, weights=None):
+    table, claim = self._claim(words, active, mode, given, weights)
+    evicted = None
+    if claim.victims is not None:
+      # A newcomer takes over its victim's row; the victim's value is read before it is written.
+      victims = claim.victims
+      values, evicted_values = read_rows(table.values, victims.row)
+      table = dataclasses.replace(table, values=tuple(values))
+      offered = take_rows(leaves, victims.offered)
+      evicted = (
+        victims.words,
+        select_rows(victims.refused, offered, evicted_values),
+        victims.scores,
+        victims.valid,
+      )
+    table, out = table._write_values(words, leaves, claim, mode)
+    return table, out, evicted
+
+  def _claim_rows(self, words, active, given=None, weights=None):
+    table, claim = self._claim(words, active, "first", given, weights)
+    evicted = None
+    if claim.victims is not None:
+      victims = claim.victims
+      values, evicted_values = read_rows(table.values, victims.row)
+      table = dataclasses.replace(table, values=tuple(values))
+      defaults = [jnp.broadcast_to(d, x.shape) for d, x in zip(self.default, evicted_values)]
+      leaves = select_rows(victims.refused, defaults, evicted_values)
+      evicted = (victims.words, leaves, victims.scores, victims.valid)
+    stored = claim.found | claim.placed
+    return table, jnp.where(stored, claim.row, -1), claim.found, claim.placed, evicted
+
+  def _claim(self, words, active, mode, given, weights) -> tuple[OpenAddressingTable, Claim]:
+    """Locates the rows' keys and gives the new ones slots and value rows (evicting when full).
+
+    The values of the new keys' rows are left as they were: :meth:`_write_values`
+    (or a caller holding the rows) writes them.
+    """
     index = jnp.arange(words.shape[0], dtype=jnp.int32)
     active = (
       jnp.ones(words.shape[0], bool) if active is None else active
@@ -271,19 +308,17 @@ class OpenAddressingTable(Storage):
       dropped=self.dropped + (up.dropped if self.eviction is None else 0),
     )
     if self.eviction is None:
-      return (*table._write_rows(words, leaves, up.found, up.admitted, up.slot, up.row, up.first, mode), None)
+      return table, Claim(up.found, up.admitted, up.row, up.first, None)
     # With an eviction policy, the new keys that do not fit evict instead of being dropped.
     to_evict = active & ~up.found & ~up.admitted
-    return table._upsert_evicting(
-      words, leaves, up.found, up.admitted, to_evict, up.slot, up.row, up.first, given, mode, weights
+    return table._claim_evicting(
+      words, up.found, up.admitted, to_evict, up.slot, up.row, up.first, given, mode, weights
     )
 
-  def _write_rows(self, words, leaves, found, placed, slot, row, first, mode):
-    """Values of an insert or find_or_insert whose new keys (``placed``) have slots: ``(table, out)``.
-
-    ``row``: the value row of each row's slot.
-    """
+  def _write_values(self, words, leaves, claim: Claim, mode):
+    """The values of an insert or find_or_insert whose keys have rows: ``(table, out)``."""
     index = jnp.arange(words.shape[0], dtype=jnp.int32)
+    found, placed, row, first = claim.found, claim.placed, claim.row, claim.first
     if mode == "insert":
       return self._put_last(row, leaves, found | placed), []
     defaults = [jnp.broadcast_to(d, x.shape) for d, x in zip(self.default, leaves)]
@@ -293,10 +328,8 @@ class OpenAddressingTable(Storage):
     # the old array would keep it alive next to the new one, and XLA would copy it whole.
     return table, select_rows(found, take_rows(table.values, row), new_values)
 
-  def _upsert_evicting(
-    self, words, leaves, found, admitted, to_evict, slot, row, first, given, mode, weights
-  ):
-    """The rest of an upsert with an eviction policy: scores, then new keys that do not fit evict.
+  def _claim_evicting(self, words, found, admitted, to_evict, slot, row, first, given, mode, weights):
+    """The rest of a claim with an eviction policy: scores, then new keys that do not fit evict.
 
     ``row`` and ``first``: the value row of each row's slot, and the first row
     of each admitted key (from their placement).
@@ -332,27 +365,23 @@ class OpenAddressingTable(Storage):
     # Rows of a key that had to evict follow its first row.
     placed = to_evict & outcome.placed[first]
     refused = to_evict & heads & outcome.refused
-    slot = jnp.where(placed, outcome.slot[first], slot)
     table = dataclasses.replace(
       self,
       buckets=outcome.flat.reshape(self.buckets.shape),
       slot_scores=outcome.scores,
       evictions=self.evictions + jnp.sum(heads & (outcome.placed | outcome.refused), dtype=jnp.int32),
     )
-    # A newcomer takes over its victim's row; the victim's value is read before it is written.
     victim_row = table._row_of(outcome.victim_slot)
-    values, evicted_values = read_rows(table.values, victim_row)
-    table = dataclasses.replace(table, values=tuple(values))
-    row = jnp.where(placed, victim_row[first], row)
-    table, out = table._write_rows(words, leaves, found, admitted | placed, slot, row, first, mode)
-    offered = take_rows(leaves, last if mode == "insert" else first)
-    evicted = (
-      jnp.where(refused[:, None], words, outcome.victim_words),
-      select_rows(refused, offered, evicted_values),
-      jnp.where(refused, score, outcome.victim_score),
-      refused | (heads & outcome.placed),
+    victims = Victims(
+      words=jnp.where(refused[:, None], words, outcome.victim_words),
+      row=victim_row,
+      scores=jnp.where(refused, score, outcome.victim_score),
+      valid=refused | (heads & outcome.placed),
+      refused=refused,
+      offered=last if mode == "insert" else first,
     )
-    return table, out, evicted
+    row = jnp.where(placed, victim_row[first], row)
+    return table, Claim(found, admitted | placed, row, first, victims)
 
   def _release(self, words, slot, mask):
     layout = self.layout
@@ -365,6 +394,27 @@ class OpenAddressingTable(Storage):
     at = self.size - jnp.sum(mask, dtype=jnp.int32) + claims.prefix_sum(mask) - 1
     free_rows = self.free_rows.at[jnp.where(mask, at, self.capacity)].set(table._row_of(slot), mode="drop")
     return dataclasses.replace(table, free_rows=free_rows)
+
+
+class Victims(NamedTuple):
+  """The entries a claim evicted or refused, one per key row (see ``Table.insert_and_evict``)."""
+
+  words: jax.Array  # uint32[N, W]: the victim's key (a refused row: its own)
+  row: jax.Array  # int32[N]: the victim's value row, read before a newcomer writes it
+  scores: jax.Array  # uint32[N]
+  valid: jax.Array  # bool[N]: the rows that evicted an entry or were refused
+  refused: jax.Array  # bool[N]
+  offered: jax.Array  # int32[N]: the row whose value a refused key offered
+
+
+class Claim(NamedTuple):
+  """Where the keys of a batch of rows live after :meth:`OpenAddressingTable._claim`."""
+
+  found: jax.Array  # bool[N]: active rows whose key was present
+  placed: jax.Array  # bool[N]: active rows whose key was new and now has a slot (every row of the key)
+  row: jax.Array  # int32[N]: the value row of each found or placed row's key
+  first: jax.Array  # int32[N]: the first row of each placed key (a row's own index elsewhere)
+  victims: Victims | None  # with an eviction policy
 
 
 def line_slots(num_words: int) -> int:

@@ -280,6 +280,54 @@ class ShardedTable(Table):
       return table, out, None
     return table, out, (pieces[0], pieces[1:-2], pieces[-2], pieces[-1])
 
+  def _find_rows(self, words):
+    def op(shard, words, active, rows):
+      del active, rows
+      return shard, [self._global_rows(shard._find_rows(words))]
+
+    return self._routed(op, words, None, [], pick=())[1][0]
+
+  def _claim_rows(self, words, active, given=None, weights=None):
+    riders = self._riders(words, given, weights)
+
+    def op(shard, words, active, rows):
+      _, given, weights = _split(rows, riders)
+      shard, index, found, inserted, evicted = shard._claim_rows(words, active, given, weights)
+      pieces = [] if evicted is None else [evicted[0], *evicted[1], evicted[2], evicted[3]]
+      return shard, [self._global_rows(index), found, inserted, *pieces]
+
+    pick = tuple(p for _, p in riders)
+    table, outputs = self._routed(
+      op, words, active, [x for x, _ in riders], pick, flags=self.eviction is not None
+    )
+    index, found, inserted, *pieces = outputs
+    evicted = None if self.eviction is None else (pieces[0], pieces[1:-2], pieces[-2], pieces[-1])
+    return table, index, found, inserted, evicted
+
+  def _global_rows(self, index):
+    """A shard's value rows as the table's: ``shard * shard_capacity + row`` (``-1`` stays)."""
+    return jnp.where(index >= 0, lax.axis_index(self.axis) * self.shard_capacity + index, -1)
+
+  def _read_rows(self, index, defaults):
+    def op(shard, rows, active, _):
+      del active
+      return shard, shard._read_rows(rows[:, 0].astype(jnp.int32), list(shard.default))
+
+    out = self._routed(op, self._row_words(index), index >= 0, [], pick=(), by_row=True)[1]
+    return select_rows(index >= 0, out, defaults)
+
+  def _write_rows(self, index, leaves, active):
+    def op(shard, rows, active, values):
+      return shard._write_rows(rows[:, 0].astype(jnp.int32), values, active), []
+
+    active = active & (index >= 0)
+    pick = ("last",) * len(leaves)
+    return self._routed(op, self._row_words(index), active, leaves, pick, by_row=True)[0]
+
+  def _row_words(self, index):
+    """Rows as uint32 ``[N, 1]`` for routing by row (``-1``: row 0, inactive)."""
+    return jnp.maximum(index, 0).astype(jnp.uint32)[:, None]
+
   def _assign_rows(self, words, leaves, active):
     def op(shard, words, active, rows):
       return shard._assign_rows(words, rows, active), []
@@ -448,8 +496,11 @@ class ShardedTable(Table):
 
   # ----------------------------------------------------------- routing
 
-  def _routed(self, op, words, active, leaves, pick=None, flags=False):
+  def _routed(self, op, words, active, leaves, pick=None, flags=False, by_row=False):
     """Runs ``op(shard, words, active, leaves) -> (shard, outputs)`` where each row's key lives.
+
+    ``by_row``: ``words`` are the table's value rows (``uint32[N, 1]``), each
+    going to the shard that holds it, which gets its own row numbers instead.
 
     ``pick``: for each leaf, ``"first"``, ``"last"`` or a scatter reduction
     (``"add"``, ``"max"``...): a key repeated on a device travels once, with
@@ -477,7 +528,8 @@ class ShardedTable(Table):
         travels = ~active | (source == index)
         others = jnp.where(active & (source != index), source, per_device)  # rows that fold into their first
         leaves = [_travelling(x, which, last, others) for x, which in zip(leaves, pick, strict=True)]
-      route = _Route.of(words, travels, num_shards, axis)
+      owner = words[:, 0].astype(jnp.int32) // self.shard_capacity if by_row else owner_of(words, num_shards)
+      route = _Route.of(owner, travels, num_shards, axis)
       rounds = lax.pmax(jnp.max(-(-jnp.maximum(route.count - block, 0) // later)), axis)
       arrays = (words, active, *leaves)
       received = route.deliver(
@@ -487,6 +539,8 @@ class ShardedTable(Table):
         0, rounds, lambda k, acc: route.deliver(arrays, block + k * later, later, acc), received
       )
       shard = jax.tree.map(lambda x: x[0], shards)
+      if by_row:
+        received[0] = received[0] % jnp.uint32(self.shard_capacity)
       shard, outputs = op(shard, received[0], received[1], received[2:])
       results = route.reply(
         outputs, 0, block, [jnp.zeros((per_device, *y.shape[1:]), y.dtype) for y in outputs]
@@ -543,8 +597,7 @@ class _Route(NamedTuple):
   axis: str
 
   @classmethod
-  def of(cls, words, travels, num_shards: int, axis: str) -> _Route:
-    owner = owner_of(words, num_shards)
+  def of(cls, owner, travels, num_shards: int, axis: str) -> _Route:
     mine = (owner[:, None] == jnp.arange(num_shards, dtype=jnp.int32)) & travels[:, None]
     rank = jnp.cumsum(mine, axis=0, dtype=jnp.int32)
     position = jnp.take_along_axis(rank, owner[:, None], axis=1)[:, 0] - 1

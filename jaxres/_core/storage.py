@@ -85,6 +85,28 @@ class Storage(Table):
     """uint32[num_slots]: each slot's score (zeros for a table without eviction)."""
     return self.slot_scores if self.eviction is not None else jnp.zeros((self.num_slots,), jnp.uint32)
 
+  def _find_rows(self, words):
+    found, slot = self._locate(words)
+    return jnp.where(found, self._row_of(slot), -1)
+
+  def _claim_rows(self, words, active, given=None, weights=None):
+    """find_or_insert_rows over :meth:`_upsert_rows`: a storage whose rows move on insert (sorted)."""
+    found = self._locate(words)[0] & (True if active is None else active)
+    defaults = [jnp.broadcast_to(d, (words.shape[0], *d.shape)) for d in self.default]
+    table, _, evicted = self._upsert_rows(words, defaults, active, "first", given, weights)
+    index = table._find_rows(words)
+    if active is not None:
+      index = jnp.where(active, index, -1)
+    if evicted is not None:
+      evicted = (evicted[0], defaults, *evicted[2:])
+    return table, index, found, (index >= 0) & ~found, evicted
+
+  def _read_rows(self, index, defaults):
+    return select_rows(index >= 0, take_rows(self.values, index), defaults)
+
+  def _write_rows(self, index, leaves, active):
+    return self._put_last(index, leaves, active & (index >= 0))
+
   def _assign_rows(self, words, leaves, active):
     found, slot = self._locate(words)
     found = found if active is None else found & active
@@ -101,31 +123,31 @@ class Storage(Table):
   def _apply_rows(self, words, leaves, active, fn, given, weights=None):
     """insert_or_apply: the first occurrence of a new key inserts, every other row folds in.
 
-    Each round applies ``fn`` to the earliest pending row of every slot, so the
-    rows of one key are folded in batch order; rounds = the largest number of
-    times one key occurs in the batch.
+    One claim gives every row its key's value row. Each round applies ``fn``
+    to the earliest pending row of every value row, so the rows of one key are
+    folded in batch order; rounds = the largest number of times one key
+    occurs in the batch.
     """
-    before, _ = self._locate(words)
-    table, _, _ = self._upsert_rows(words, leaves, active, "first", given, weights)
-    present, slot = table._locate(words)
-    present = present if active is None else present & active
-    inserted = claims.first_per_slot(slot, present & ~before)
+    table, row, _, inserted, _ = self._claim_rows(words, active, given, weights)
+    present = row >= 0
+    first = claims.first_per_slot(row, inserted)
+    table = table._put(row, leaves, first)
     treedef = table.value_spec.treedef
 
     def fold(state):
       table, pending = state
       rows, target = claims.pending_rows(pending, claims.chunk_size(pending.shape[0]))
       live = pending[rows] & (target < pending.shape[0])
-      earliest = claims.first_per_slot(slot[rows], live)
-      old = jax.tree.unflatten(treedef, table._read(slot[rows]))
+      earliest = claims.first_per_slot(row[rows], live)
+      old = jax.tree.unflatten(treedef, take_rows(table.values, row[rows]))
       new = jax.tree.unflatten(treedef, take_rows(leaves, rows))
       folded = jax.tree.leaves(jax.vmap(fn)(old, new))
-      return table._write(slot[rows], folded, earliest), pending.at[target].set(live & ~earliest, mode="drop")
+      return table._put(row[rows], folded, earliest), pending.at[target].set(live & ~earliest, mode="drop")
 
-    pending = present & ~inserted
+    pending = present & ~first
     reduction = exact_reduction(fn, table.value_spec)
     if reduction is not None:
-      target = jnp.where(pending, table._row_of(slot), table.capacity)
+      target = jnp.where(pending, row, table.capacity)
       values = tuple(getattr(v.at[target], reduction)(x, mode="drop") for v, x in zip(table.values, leaves))
       return dataclasses.replace(table, values=values)
     table, _ = jax.lax.while_loop(lambda s: jnp.any(s[1]), fold, (table, pending))

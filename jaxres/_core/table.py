@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +33,27 @@ _MAX_CAPACITY = 2**30
 def check_capacity(capacity, name: str = "capacity") -> int:
   """A static capacity: an int in ``[1, 2**30]`` (``TypeError``/``ValueError`` naming ``name``)."""
   return check_int(capacity, name, low=1, high=_MAX_CAPACITY)
+
+
+class _Mutation:
+  """A jitted operation that returns a new table, compiled twice: as is, and donating the table.
+
+  Donated, XLA writes the result into the table's own buffers: an eager call
+  then costs O(batch) instead of a copy of every array. The stateful tables
+  donate the state they own; ``donate=True`` lets any caller do the same.
+  """
+
+  def __init__(self, fn, static_argnames=()):
+    functools.update_wrapper(self, fn)
+    self._plain = jax.jit(fn, static_argnames=static_argnames)
+    self._donating = jax.jit(fn, static_argnames=static_argnames, donate_argnums=0)
+
+  def __call__(self, table, *args, donate: bool = False, **kwargs):
+    return (self._donating if donate else self._plain)(table, *args, **kwargs)
+
+
+def _mutation(static_argnames=()):
+  return lambda fn: _Mutation(fn, static_argnames)
 
 
 @jax.jit
@@ -55,12 +76,12 @@ def _jit_compact(table: Table):
   return table._compact()
 
 
-@jax.jit
+@_mutation()
 def _jit_remove(table: Table, words, active):
   return table._tick()._remove_rows(words, active)
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "tick", "report"))
+@_mutation(static_argnames=("mode", "tick", "report"))
 def _jit_upsert(
   table: Table, words, leaves, active, given, *, mode: str, tick: bool = True, report: bool = False
 ):
@@ -72,12 +93,12 @@ def _jit_upsert(
   return table, out, evicted if report else None
 
 
-@jax.jit
+@_mutation()
 def _jit_assign(table: Table, words, leaves, active):
   return table._assign_rows(words, leaves, active)
 
 
-@functools.partial(jax.jit, static_argnames=("fn",))
+@_mutation(static_argnames=("fn",))
 def _jit_apply(table: Table, words, leaves, active, given, *, fn):
   return table._tick()._apply_rows(words, leaves, active, fn, given)
 
@@ -87,9 +108,49 @@ def _jit_erase(table: Table, *, fn):
   return table._tick()._erase_rows(fn)
 
 
+@jax.jit
+def _jit_find_rows(table: Table, words):
+  return table._find_rows(words)
+
+
+@_mutation(static_argnames=("report",))
+def _jit_claim(table: Table, words, active, given, *, report: bool):
+  table, index, found, inserted, evicted = table._tick()._claim_rows(words, active, given)
+  return table, index, found, inserted, evicted if report else None
+
+
+@jax.jit
+def _jit_read_rows(table: Table, index, defaults):
+  return table._read_rows(index, defaults)
+
+
+@_mutation()
+def _jit_write_rows(table: Table, index, leaves, active):
+  return table._write_rows(index, leaves, active)
+
+
 @functools.partial(jax.jit, static_argnames=("size",))
 def _jit_slots(table: Table, offset, *, size: int):
   return table._slot_rows(offset, size)
+
+
+class RowHandles(NamedTuple):
+  """What :meth:`Table.find_or_insert_rows` did for each key: its value row and how it got it.
+
+  Attributes:
+    index: ``int32[*batch]``, the row of the key's value, for :meth:`Table.read_rows`
+      and :meth:`Table.write_rows`; ``-1`` where the key has no row (refused,
+      dropped, or masked out by ``valid``).
+    found: ``bool[*batch]``: the key was present before the call.
+    inserted: ``bool[*batch]``: the key got its row in this call (every row of
+      the key in the batch); the row holds no value of it yet.
+    evicted: :class:`Evicted`, as for :meth:`Table.find_or_insert_and_evict`.
+  """
+
+  index: jax.Array
+  found: jax.Array
+  inserted: jax.Array
+  evicted: Evicted
 
 
 class Table(abc.ABC):
@@ -109,6 +170,13 @@ class Table(abc.ABC):
   A table created with an eviction policy (``eviction=jr.LRU()``, ...) keeps a
   score per entry and evicts when full instead of refusing new keys (see
   :mod:`jaxres._core.eviction`).
+
+  **Cost.** Every method that takes a batch of keys costs O(batch) under
+  ``jit`` when the caller donates the table (``jax.jit(step,
+  donate_argnums=...)``). Called eagerly, a method that returns a new table
+  copies the table's arrays, unless it is given ``donate=True``: the result
+  then reuses this table's buffers, and this table may no longer be used
+  (its arrays are deleted). The stateful tables donate the state they own.
   """
 
   _checkpoint_kind = "table"  # checkpoints of stateful and functional tables are interchangeable
@@ -201,7 +269,7 @@ class Table(abc.ABC):
 
   # ----------------------------------------------------------- mutations
 
-  def insert(self, keys, values, valid=None, scores=None) -> Table:
+  def insert(self, keys, values, valid=None, scores=None, *, donate: bool = False) -> Table:
     """Inserts or assigns; the last duplicate in the batch wins.
 
     New keys that do not fit (``size == capacity``) are counted in
@@ -220,9 +288,11 @@ class Table(abc.ABC):
     Returns:
       The new table.
     """
-    return self._upsert(keys, values, valid, scores, "insert", report=False)[0]
+    return self._upsert(keys, values, valid, scores, "insert", report=False, donate=donate)[0]
 
-  def insert_and_evict(self, keys, values, valid=None, scores=None) -> tuple[Table, Evicted]:
+  def insert_and_evict(
+    self, keys, values, valid=None, scores=None, *, donate: bool = False
+  ) -> tuple[Table, Evicted]:
     """:meth:`insert`, also returning the entries that left: ``(table, evicted)``.
 
     ``evicted`` (:class:`Evicted`) has one row per key row: the entry the row's
@@ -238,10 +308,12 @@ class Table(abc.ABC):
       >>> evicted.keys.tolist(), evicted.valid.tolist(), t.find(jnp.array([1, 2, 3])).tolist()
       ([2, 0], [True, False], [1.0, 0.0, 3.0])
     """
-    table, _, evicted, rows = self._upsert(keys, values, valid, scores, "insert", report=True)
-    return table, calls.evicted(self, evicted, rows)
+    table, _, evicted, rows = self._upsert(keys, values, valid, scores, "insert", report=True, donate=donate)
+    return table, calls.evicted(table, evicted, rows)
 
-  def find_or_insert(self, keys, values, valid=None, scores=None) -> tuple[Table, Any]:
+  def find_or_insert(
+    self, keys, values, valid=None, scores=None, *, donate: bool = False
+  ) -> tuple[Table, Any]:
     """Returns existing values and inserts the missing keys with ``values``.
 
     The first occurrence of a new key inserts it; later duplicates see that
@@ -265,34 +337,137 @@ class Table(abc.ABC):
       >>> rows.tolist()
       [0, 1, 0]
     """
-    table, found, _, _ = self._upsert(keys, values, valid, scores, "first", report=False)
+    table, found, _, _ = self._upsert(keys, values, valid, scores, "first", report=False, donate=donate)
     return table, found
 
-  def find_or_insert_and_evict(self, keys, values, valid=None, scores=None) -> tuple[Table, Any, Evicted]:
+  def find_or_insert_and_evict(
+    self, keys, values, valid=None, scores=None, *, donate: bool = False
+  ) -> tuple[Table, Any, Evicted]:
     """:meth:`find_or_insert`, also returning the entries that left: ``(table, values, evicted)``.
 
     ``evicted`` is as for :meth:`insert_and_evict`; a refused key reads the
     table default.
     """
-    table, found, evicted, rows = self._upsert(keys, values, valid, scores, "first", report=True)
-    return table, found, calls.evicted(self, evicted, rows)
+    table, found, evicted, rows = self._upsert(
+      keys, values, valid, scores, "first", report=True, donate=donate
+    )
+    return table, found, calls.evicted(table, evicted, rows)
 
-  def _upsert(self, keys, values, valid, scores, mode: str, report: bool):
+  def _upsert(self, keys, values, valid, scores, mode: str, report: bool, donate: bool = False):
     """insert or find_or_insert: ``(table, found values, evicted rows or None, rows)``."""
     rows = calls.prepare(self, keys, values, valid, scores)
     if not rows.n:
       return self, calls.output(self, [x[:0] for x in rows.leaves], rows.batch), None, rows
     table, out, evicted = _jit_upsert(
-      self, rows.words, rows.leaves, rows.active, rows.given, mode=mode, report=report
+      self, rows.words, rows.leaves, rows.active, rows.given, mode=mode, report=report, donate=donate
     )
     if mode == "insert":
       return table, None, evicted, rows
     out = [x[: rows.n] for x in out]
     if valid is not None:
-      out = select_rows(rows.active[: rows.n], out, calls.defaults(self, None, (rows.n,)))
-    return table, calls.output(self, out, rows.batch), evicted, rows
+      out = select_rows(rows.active[: rows.n], out, calls.defaults(table, None, (rows.n,)))
+    return table, calls.output(table, out, rows.batch), evicted, rows
 
-  def insert_or_apply(self, keys, values, fn: Callable, valid=None, scores=None) -> Table:
+  # -------------------------------------------------------- row handles
+
+  def find_rows(self, keys) -> jax.Array:
+    """``int32[*batch]``: the row holding each key's value (``-1`` where missing), from one probe.
+
+    Rows stay valid until the next call that inserts or removes keys; read and
+    write them with :meth:`read_rows` and :meth:`write_rows`.
+    """
+    rows = calls.prepare(self, keys)
+    if not rows.n:
+      return jnp.zeros(rows.batch, jnp.int32)
+    return _jit_find_rows(self, rows.words)[: rows.n].reshape(rows.batch)
+
+  def find_or_insert_rows(
+    self, keys, valid=None, scores=None, *, donate: bool = False
+  ) -> tuple[Table, RowHandles]:
+    """Gives each new key a row, without a value yet: ``(table, handles)``, one probe per key.
+
+    The handle-based form of :meth:`find_or_insert_and_evict`, for callers that
+    make a new key's value from its row (an embedding initialises it, then
+    reads it and later writes an update): present keys keep their rows, new
+    keys get rows as :meth:`find_or_insert` would place them (evicting or
+    refused when full, counted in :attr:`dropped` without a policy), and
+    nothing is written to the rows. Write the values of ``handles.inserted``
+    keys with :meth:`write_rows` before reading them. Rows stay valid until
+    the next call that inserts or removes keys.
+
+    Args:
+      keys: ``key_dtype[*batch, *key_shape]``.
+      valid: optional ``bool[*batch]``; rows marked ``False`` are skipped.
+      scores: as for :meth:`insert`.
+
+    Returns:
+      ``(table, handles)``, :class:`RowHandles` with fields of shape ``[*batch]``.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxres as jr
+      >>> t = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.float32)
+      >>> t = t.insert(jnp.array([5]), jnp.array([0.5]))
+      >>> t, handles = t.find_or_insert_rows(jnp.array([5, 9, 9]))
+      >>> handles.found.tolist(), handles.inserted.tolist()
+      ([True, False, False], [False, True, True])
+      >>> t = t.write_rows(handles.index, jnp.array([0.0, 9.0, 9.0]), valid=handles.inserted)
+      >>> t.read_rows(handles.index).tolist(), t.find(jnp.array([5, 9])).tolist()
+      ([0.5, 9.0, 9.0], [0.5, 9.0])
+    """
+    rows = calls.prepare(self, keys, valid=valid, scores=scores, inserts=True)
+    n, batch = rows.n, rows.batch
+    if not n:
+      empty = calls.evicted(self, None, rows)
+      nothing = jnp.zeros(batch, bool)
+      return self, RowHandles(jnp.zeros(batch, jnp.int32), nothing, nothing, empty)
+    table, index, found, inserted, evicted = _jit_claim(
+      self, rows.words, rows.active, rows.given, report=True, donate=donate
+    )
+    handles = RowHandles(
+      index[:n].reshape(batch),
+      found[:n].reshape(batch),
+      inserted[:n].reshape(batch),
+      calls.evicted(table, evicted, rows),
+    )
+    return table, handles
+
+  def read_rows(self, index, default=None):
+    """The values in rows ``index`` (``int32[*batch]``); ``-1`` reads ``default`` (the table's when ``None``).
+
+    Rows come from :meth:`find_rows` or :meth:`find_or_insert_rows`.
+    """
+    index, batch, n = calls.row_index(index)
+    flat = [d.reshape((n, *d.shape[len(batch) :])) for d in calls.defaults(self, default, batch)]
+    if not n:
+      return calls.output(self, flat, batch)
+    rows = calls.Rows(index[:, None], [], None, None, n, batch)
+    leaves = _jit_read_rows(self, index, [calls.pad_to(x, rows) for x in flat])
+    return calls.output(self, [x[:n] for x in leaves], batch)
+
+  def write_rows(self, index, values, valid=None, *, donate: bool = False) -> Table:
+    """Writes ``values`` into rows ``index``; the last duplicate wins, ``-1`` and masked rows are skipped.
+
+    Nothing about the keys changes (no insert, no score, no clock tick): the
+    write-back of a read-modify-write on rows from :meth:`find_rows` or
+    :meth:`find_or_insert_rows`.
+
+    Args:
+      index: ``int32[*batch]`` rows.
+      values: value pytree with leaves ``[*batch, *value_shape]``.
+      valid: optional ``bool[*batch]``.
+    """
+    index, batch, n = calls.row_index(index)
+    leaves = calls.value_leaves(self, values, batch)
+    active = calls.check_valid(valid, batch)
+    if not n:
+      return self
+    rows = calls.Rows(index[:, None], [], None, None, n, batch)
+    active = index >= 0 if active is None else calls.pad_to(active, rows) & (index >= 0)
+    return _jit_write_rows(self, index, [calls.pad_to(x, rows) for x in leaves], active, donate=donate)
+
+  def insert_or_apply(
+    self, keys, values, fn: Callable, valid=None, scores=None, *, donate: bool = False
+  ) -> Table:
     """New keys get ``values``; existing ones become ``fn(old, new)``.
 
     Duplicates within the batch fold in order: a key ``k`` present with value
@@ -322,7 +497,7 @@ class Table(abc.ABC):
     if not rows.n:
       return self
     self._check_fn(fn)
-    return _jit_apply(self, rows.words, rows.leaves, rows.active, rows.given, fn=fn)
+    return _jit_apply(self, rows.words, rows.leaves, rows.active, rows.given, fn=fn, donate=donate)
 
   def _check_fn(self, fn):
     entry = [jax.ShapeDtypeStruct(s.storage_shape, s.storage_dtype) for s in self.value_spec.leaves]
@@ -336,7 +511,7 @@ class Table(abc.ABC):
     if jax.tree.structure(out) != self.value_spec.treedef or got != want:
       raise TypeError(f"fn: must return an entry like {tree}, got {out}.")
 
-  def assign(self, keys, values, valid=None) -> Table:
+  def assign(self, keys, values, valid=None, *, donate: bool = False) -> Table:
     """Replaces the values of keys present; absent keys are ignored. Scores and clock stay.
 
     The write-back half of a read-modify-write (an optimizer step on the
@@ -358,9 +533,9 @@ class Table(abc.ABC):
     rows = calls.prepare(self, keys, values, valid)
     if not rows.n:
       return self
-    return _jit_assign(self, rows.words, rows.leaves, rows.active)
+    return _jit_assign(self, rows.words, rows.leaves, rows.active, donate=donate)
 
-  def remove(self, keys, valid=None) -> Table:
+  def remove(self, keys, valid=None, *, donate: bool = False) -> Table:
     """Removes keys; absent keys are ignored.
 
     Args:
@@ -371,7 +546,7 @@ class Table(abc.ABC):
     rows = calls.prepare(self, keys, valid=valid)
     if not rows.n:
       return self
-    return _jit_remove(self, rows.words, rows.active)
+    return _jit_remove(self, rows.words, rows.active, donate=donate)
 
   def erase_if(self, fn: Callable) -> Table:
     """Removes every entry for which ``fn(keys, values, scores)`` is True: expiry, O(capacity).
@@ -631,6 +806,25 @@ class Table(abc.ABC):
     ``int32[N]``, how many occurrences each row stands for (a counting policy
     adds them up; ``None``: one each).
     """
+
+  @abc.abstractmethod
+  def _find_rows(self, words) -> jax.Array:
+    """``int32[N]``: the value row of each present key, ``-1`` elsewhere."""
+
+  @abc.abstractmethod
+  def _claim_rows(self, words, active, given=None, weights=None) -> tuple:
+    """find_or_insert_rows on flat rows: ``(table, index, found, inserted, evicted)``.
+
+    ``evicted`` as for :meth:`_upsert_rows` (a refused key's values: the default).
+    """
+
+  @abc.abstractmethod
+  def _read_rows(self, index, defaults) -> list:
+    """The value leaves of rows ``index``, ``defaults`` where ``index < 0``."""
+
+  @abc.abstractmethod
+  def _write_rows(self, index, leaves, active) -> Table:
+    """Writes rows ``index`` where ``active`` and ``index >= 0``; of equal rows the last wins."""
 
   @abc.abstractmethod
   def _assign_rows(self, words, leaves, active) -> Table:

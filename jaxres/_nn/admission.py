@@ -45,7 +45,12 @@ def admit(counts: Table, keys, words, candidates: jax.Array, min_count: int) -> 
     ([False, False, True, True], [False, True, False, False])
   """
   groups = batch.group(words, candidates)  # an id's candidate rows, contiguous, in batch order
-  earlier = batch.unsort(groups, jnp.arange(words.shape[0], dtype=jnp.int32) - groups.start)
-  admitted = candidates & (counts.find(keys) + earlier + 1 >= min_count)
+  position = jnp.arange(words.shape[0], dtype=jnp.int32)
+  earlier, occurrences = batch.unsort(groups, (position - groups.start, groups.end - groups.start + 1))
   counts = counts.insert_or_apply(keys, jnp.ones(candidates.shape, jnp.int32), jnp.add, valid=candidates)
+  # Counts are read after the update (a read before it would make XLA copy the table to keep it):
+  # a counted id had its count before the batch plus its occurrences; a refused one counted none.
+  total, counted = counts.lookup(keys)
+  before = jnp.where(counted, total - occurrences, 0)
+  admitted = candidates & (before + earlier + 1 >= min_count)
   return counts.remove(keys, valid=admitted), admitted

@@ -14,6 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxres._core import batch as batch_lib
+from jaxres._core import claims
 from jaxres._core.args import check_int
 from jaxres._core.eviction import check_policy
 from jaxres._core.open_addressing import OpenAddressingTable
@@ -28,6 +29,16 @@ _STATS = ("admitted", "refused", "evictions")
 
 class EmbeddingState(nnx.Variable):
   """The tables and counters of a :class:`DynamicEmbedding` (not an ``nnx.Param``: no dense gradient)."""
+
+
+class RecentRows(nnx.Variable):
+  """The rows the last lookup found, kept for :meth:`DynamicEmbedding.apply_gradients` (not checkpointed).
+
+  Its value is ``None`` or ``(words, index, clock)``: the ids' key words, their
+  value rows and the table's clock after the lookup. ``apply_gradients``
+  uses the rows when it is given the same ids and the table has not changed
+  since, and clears them.
+  """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +159,7 @@ class DynamicEmbedding(nnx.Module):
     self.counts = EmbeddingState(admission.counter(room, key)) if min_count > 1 else None
     self.seed = EmbeddingState(jax.random.key_data(rngs.params()))
     self.counters = EmbeddingState(jnp.zeros((len(_STATS), 2), jnp.uint32))  # 64-bit: (high, low) words
+    self.recent = RecentRows(None)
 
   def __call__(self, ids) -> jax.Array:
     """``float32[*batch, features]``: the rows of ``ids``, new ids given rows (zeros where refused)."""
@@ -156,18 +168,20 @@ class DynamicEmbedding(nnx.Module):
     if not words.size:
       return jnp.zeros((*batch, self.features), jnp.float32)
     counts = None if self.counts is None else self.counts.get_value()
-    table, counts, counters, rows = _embed(
+    flat = words.reshape(-1, words.shape[-1])
+    table, counts, counters, rows, recent = _embed(
       self._spec,
       table,
       counts,
       self.counters.get_value(),
       self.seed.get_value(),
-      words.reshape(-1, words.shape[-1]),
+      flat,
     )
     self.table.set_value(table)
     if counts is not None:
       self.counts.set_value(counts)
     self.counters.set_value(counters)
+    self.recent.set_value(recent)
     return rows.reshape(*batch, self.features)
 
   def apply_gradients(self, ids, row_grads) -> None:
@@ -177,6 +191,10 @@ class DynamicEmbedding(nnx.Module):
     order, so results are bitwise reproducible), then each distinct id's row
     and optimizer state take one update. Ids without a row are skipped;
     other rows are not touched.
+
+    Called with the ids of the last lookup (``rows = emb(ids)`` then
+    ``emb.apply_gradients(ids, ...)``, the training step), it writes to the
+    rows that lookup found instead of finding the ids again.
 
     Args:
       ids: the ids of the rows (as for calling the module).
@@ -196,10 +214,12 @@ class DynamicEmbedding(nnx.Module):
       raise ValueError(
         f"row_grads: expected shape {(*batch, self.features)} (one row per id), got {tuple(grads.shape)}."
       )
+    recent = self.recent.get_value()
+    self.recent.set_value(None)
     if not words.size:
       return
     flat = grads.reshape(-1, self.features).astype(jnp.float32)
-    self.table.set_value(_update(self._spec, table, words.reshape(-1, words.shape[-1]), flat))
+    self.table.set_value(_update(self._spec, table, words.reshape(-1, words.shape[-1]), flat, recent))
 
   # ------------------------------------------------------------- reading
 
@@ -247,9 +267,9 @@ def _add64(words: jax.Array, amounts: jax.Array) -> jax.Array:
 def _initial_values(spec: _Spec, seed: jax.Array, words: jax.Array, new: jax.Array) -> dict:
   """The row and optimizer state each new id starts with: a function of the seed and the id alone.
 
-  Only the ``new`` rows need one. Drawing a row costs a random key per id, so
-  when at most a quarter of the batch is new (the common case once a table
-  is warm) only those rows are drawn; other rows get zeros, which nothing reads.
+  Only the ``new`` rows need one, and drawing a row costs a random key per
+  id: the rows are drawn for the smallest of a few batch fractions that holds
+  every new row (a warm table has few), and other rows get zeros, which nothing reads.
   """
   base = jax.random.wrap_key_data(seed)
 
@@ -260,45 +280,69 @@ def _initial_values(spec: _Spec, seed: jax.Array, words: jax.Array, new: jax.Arr
     return spec.initializer(key, (spec.features,), jnp.float32)
 
   n = words.shape[0]
-  few = max(1, n // 4)
+  sizes = sorted({max(1, n >> shift) for shift in (6, 4, 2)} - {n})
 
-  def some():
-    (index,) = jnp.nonzero(new, size=few, fill_value=n)
-    drawn = jax.vmap(row)(words[jnp.minimum(index, n - 1)])
-    return jnp.zeros((n, spec.features), jnp.float32).at[index].set(drawn, mode="drop")
+  def some(size):
+    def draw():
+      (index,) = jnp.nonzero(new, size=size, fill_value=n)
+      drawn = jax.vmap(row)(words[jnp.minimum(index, n - 1)])
+      return jnp.zeros((n, spec.features), jnp.float32).at[index].set(drawn, mode="drop")
 
-  rows = jax.lax.cond(jnp.sum(new) <= few, some, lambda: jax.vmap(row)(words))
+    return draw
+
+  count = jnp.sum(new, dtype=jnp.int32)
+  branch = jnp.sum(count > jnp.array(sizes, jnp.int32), dtype=jnp.int32)
+  rows = jax.lax.switch(branch, [*(some(size) for size in sizes), lambda: jax.vmap(row)(words)])
   return {"row": rows, "slots": tuple(spec.optimizer.init(rows))}
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
+# The module's arrays are donated: an eager call updates them in place (under jit, the caller donates).
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("table", "counts", "counters"))
 def _embed(spec: _Spec, table: Table, counts, counters, seed, words):
+  """One lookup: ``(table, counts, counters, rows, recent)``, each id located once in ``table``.
+
+  ``recent`` is what :class:`RecentRows` keeps: ``(words, index, clock)``.
+  """
   keys = table.key_spec.decode(words)
   before = table.size
-  found = table.contains(keys)
   if counts is None:
-    admitted = jnp.ones(words.shape[0], bool)
+    admitted = None
   else:
+    found = table.find_rows(keys) >= 0
     counts, admitted = admission.admit(counts, keys, words, ~found, spec.min_count)
     admitted = admitted | found
-  initial = _initial_values(spec, seed, words, admitted & ~found)
-  table, _, evicted = table.find_or_insert_and_evict(keys, initial, valid=admitted)
-  # Rows are read from the updated table: reading find_or_insert's output (gathered before its
-  # writes) would keep the old value array alive and make XLA copy it, O(capacity) per call.
-  values, present = table.lookup(keys)
-  evictions = jnp.sum(evicted.valid & present, dtype=jnp.int32)  # a placed id's row, its victim reported
+  table, handles = table.find_or_insert_rows(keys, valid=admitted)
+  index = handles.index
+  initial = _initial_values(spec, seed, words, handles.inserted)
+  table = table.write_rows(index, initial, valid=handles.inserted)
+  # Rows are read after the write, from the array it returns: a read of the array before it
+  # would have to be kept alive next to the written one, and XLA would copy it whole.
+  values = table.read_rows(index)
+  present = index >= 0  # admitted ids only: `valid` masked the others
+  evictions = jnp.sum(handles.evicted.valid & present, dtype=jnp.int32)  # placed ids, their victims reported
   admitted_ids = table.size - before + evictions
-  served = present & admitted  # a row before an id's min_count-th occurrence reads zeros
-  refused = jnp.sum(~served, dtype=jnp.int32)
+  refused = jnp.sum(~present, dtype=jnp.int32)
   counters = _add64(counters, jnp.stack([admitted_ids, refused, evictions]))
-  return table, counts, counters, jnp.where(served[:, None], values["row"], 0.0)
+  rows = jnp.where(present[:, None], values["row"], 0.0)
+  return table, counts, counters, rows, (words, index, table.clock + jnp.uint32(0))
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
-def _update(spec: _Spec, table: Table, words, grads):
-  keys = table.key_spec.decode(words)
-  total = batch_lib.group_sums(words, grads)
-  values, present = table.lookup(keys)
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("table",))
+def _update(spec: _Spec, table: Table, words, grads, recent):
+  index = _rows_of(table, words, recent)
+  present = index >= 0
+  total = batch_lib.tree_sums(index, grads)
+  values = table.read_rows(index)
   rows, slots = spec.optimizer.update(total, values["row"], values["slots"])
-  # Every row of an id carries the same new value, so which one is written does not matter.
-  return table.assign(keys, {"row": rows, "slots": tuple(slots)}, valid=present)
+  # Every row of an id carries the same new value: its first one writes it.
+  first = claims.first_per_slot(index, present)
+  return table.write_rows(index, {"row": rows, "slots": tuple(slots)}, valid=first)
+
+
+def _rows_of(table: Table, words, recent) -> jax.Array:
+  """The value rows of ``words``: those of the last lookup when it was of these ids, on this table."""
+  if recent is None or recent[0].shape != words.shape:
+    return table.find_rows(table.key_spec.decode(words))
+  recent_words, index, clock = recent
+  same = jnp.all(recent_words == words) & (clock == table.clock)
+  return jax.lax.cond(same, lambda: index, lambda: table.find_rows(table.key_spec.decode(words)))

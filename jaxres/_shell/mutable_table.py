@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from jaxres._core import codec
 from jaxres._core.table import check_capacity
 from jaxres._shell.lookup_table import LookupTable
@@ -12,7 +14,10 @@ class MutableHashTable(LookupTable):
 
   The state (:attr:`state`) is a functional :class:`jaxres.Table`; methods
   replace it under a lock, so concurrent Python threads lose no update. Eager
-  calls never lose a key: the table grows before it is full. Held by an
+  updates are made in place (the state is donated: a state read earlier from
+  :attr:`state` is deleted by the next update) and cost O(batch) whatever the
+  capacity. Eager calls never lose a key: the table grows before a call whose
+  keys might not fit. Held by an
   ``nnx.Module``, the table can be read and updated inside ``nnx.jit`` with
   the same methods; the update persists on the module. Inside ``jit`` the
   table cannot grow: keys that do not fit are counted, and the next eager use
@@ -81,15 +86,19 @@ class MutableHashTable(LookupTable):
     return self._empty(self._initial_capacity)
 
   @staticmethod
-  def _growing(table, update):
-    """``update(table) -> (table, out)``, eagerly growing instead of dropping keys (a bounded
-    table evicts instead)."""
-    new, out = update(table)
-    while new.eviction is None and not codec.is_traced(new.dropped) and int(new.dropped) > int(table.dropped):
-      lost = int(new.dropped) - int(table.dropped)
-      table = table.resize(max(2 * table.capacity, table.capacity + 2 * lost))
-      new, out = update(table)
-    return new, out
+  def _with_room(table, keys):
+    """``table``, grown first when the keys of a call might not fit (eager, unbounded tables only).
+
+    Growing before the call, not after a call that dropped keys, lets every
+    call donate the state: updates are made in place, O(batch).
+    """
+    if table.eviction is not None or codec.is_traced(table.size):
+      return table
+    rows = math.prod(table.key_spec.encode(keys, "keys")[1])
+    size = int(table.size)
+    if size + rows <= table.capacity:
+      return table
+    return table.resize(max(2 * table.capacity, size + rows))
 
   def insert(self, keys, values) -> None:
     """Inserts or assigns ``values`` for ``keys`` (the last duplicate wins).
@@ -100,7 +109,7 @@ class MutableHashTable(LookupTable):
     with self._life().lock:
       table = self._current()
       keys, values = self._key_codec.encode(keys), self._value_codec.encode(values)
-      self.state = self._growing(table, lambda t: (t.insert(keys, values), None))[0]
+      self.state = self._with_room(table, keys).insert(keys, values, donate=True)
 
   def find_or_insert(self, keys, values):
     """Values of ``keys``; keys not yet present are inserted with ``values`` first.
@@ -120,13 +129,13 @@ class MutableHashTable(LookupTable):
     with self._life().lock:
       table = self._current()
       keys, values = self._key_codec.encode(keys), self._value_codec.encode(values)
-      self.state, found = self._growing(table, lambda t: t.find_or_insert(keys, values))
+      self.state, found = self._with_room(table, keys).find_or_insert(keys, values, donate=True)
       return self._value_codec.decode(found)
 
   def remove(self, keys) -> None:
     """Removes ``keys``; absent keys are ignored."""
     with self._life().lock:
-      self.state = self._current().remove(self._key_codec.encode(keys))
+      self.state = self._current().remove(self._key_codec.encode(keys), donate=True)
 
   def import_(self, keys, values) -> None:
     """Replaces the contents with the given entries (growing as needed)."""
