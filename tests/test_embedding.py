@@ -257,6 +257,37 @@ def test_checkpoint_restores_into_another_capacity(tmp_path):
   assert small.size() == 0
 
 
+def test_rows_of_a_lookup_are_reused_only_for_the_same_ids_on_the_same_table(tmp_path):
+  """apply_gradients after the lookup of other ids, or after the table changed, finds the ids again."""
+  batches = _batches(seed=8, steps=4, size=10)
+  for stale in ("other ids", "a changed table"):
+    emb = _embedding(16, optimizer=optax.sgd(1.0), eviction=jr.LRU())
+    (ids, grads), (other, _) = batches[:2]
+    emb(ids)
+    if stale == "other ids":
+      emb(other)  # the rows kept are other's now
+    else:
+      emb.table.set_value(emb.table.get_value().remove(other[:3]))  # rows may move; the clock moves
+    before = _rows(emb)
+    emb.apply_gradients(ids, grads)
+    assert emb.recent.get_value() is None
+    expected = dict(before)
+    for key in set(ids.tolist()) & set(before):
+      expected[key] = before[key] - grads[ids == key].sum(axis=0)
+    after = _rows(emb)
+    assert after.keys() == expected.keys()
+    for key, row in after.items():
+      np.testing.assert_allclose(row, expected[key], rtol=1e-5, atol=1e-6, err_msg=stale)
+  # A checkpoint taken between a lookup and its update leaves the kept rows out.
+  emb = _embedding(16, eviction=jr.LRU())
+  emb(batches[0][0])
+  assert emb.recent.get_value() is not None
+  jr.Checkpoint(emb=emb).save(tmp_path / "ckpt")
+  fresh = _embedding(16, eviction=jr.LRU())
+  jr.Checkpoint(emb=fresh).restore(tmp_path / "ckpt").assert_consumed()
+  assert fresh.recent.get_value() is None and fresh.size() == emb.size()
+
+
 def test_sharded_equals_unsharded():
   batches = _batches(seed=8, steps=5, size=16)
   mesh = mesh_of(4)

@@ -51,6 +51,10 @@ class _Mutation:
   def __call__(self, table, *args, donate: bool = False, **kwargs):
     return (self._donating if donate else self._plain)(table, *args, **kwargs)
 
+  def _cache_size(self) -> int:
+    """Programs compiled so far, both forms together (as ``jax.jit``'s own ``_cache_size``)."""
+    return self._plain._cache_size() + self._donating._cache_size()
+
 
 def _mutation(static_argnames=()):
   return lambda fn: _Mutation(fn, static_argnames)

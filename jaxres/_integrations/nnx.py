@@ -3,7 +3,10 @@
 An NNX object (``nnx.Module``, ``nnx.Optimizer``, ``nnx.List``, ...) is a node
 whose children are the variables and trackables of its graph, by their NNX
 paths: ``model/hidden/kernel``, ``model/layers/0/table``,
-``optimizer/opt_state/0/mu/hidden/kernel``. A variable saves its value
+``optimizer/opt_state/0/mu/hidden/kernel``. A variable whose type sets
+``checkpointed = False`` (state a step derives and rebuilds, such as the rows
+``jr.DynamicEmbedding`` keeps between a lookup and its update) is left out.
+A variable saves its value
 through that value's own handle (an array, a pytree of arrays, or a
 functional table's live entries) and is restored in place. Trackables inside
 the graph (tables and other resources) save themselves; their own variables
@@ -34,6 +37,8 @@ class NnxHandle(handles.Handle):
     for path, node in graph:
       if not path or any(path[:k] in owned for k in range(1, len(path))):
         continue  # this node itself, or what a trackable holds
+      if isinstance(node, nnx.Variable) and not getattr(type(node), "checkpointed", True):
+        continue
       relative = "/".join(paths.escape(str(key)) for key in path)
       if isinstance(node, handles.ARRAY_TYPES):
         raise TypeError(

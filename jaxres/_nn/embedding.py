@@ -40,6 +40,8 @@ class RecentRows(nnx.Variable):
   since, and clears them.
   """
 
+  checkpointed = False  # derived within a step: checkpoints leave it out (see jaxres._integrations.nnx)
+
 
 @dataclasses.dataclass(frozen=True)
 class _Spec:
