@@ -257,34 +257,36 @@ class OpenAddressingTable(Storage):
 
   def _upsert_rows(self, words, leaves, active, mode, given=None, weights=None):
     table, claim = self._claim(words, active, mode, given, weights)
-    evicted = None
-    if claim.victims is not None:
-      # A newcomer takes over its victim's row; the victim's value is read before it is written.
-      victims = claim.victims
-      values, evicted_values = read_rows(table.values, victims.row)
-      table = dataclasses.replace(table, values=tuple(values))
-      offered = take_rows(leaves, victims.offered)
-      evicted = (
-        victims.words,
-        select_rows(victims.refused, offered, evicted_values),
-        victims.scores,
-        victims.valid,
-      )
+    table, evicted = table._evicted(
+      claim.victims, take_rows(leaves, claim.victims.offered) if claim.victims else None
+    )
     table, out = table._write_values(words, leaves, claim, mode)
     return table, out, evicted
 
   def _claim_rows(self, words, active, given=None, weights=None):
     table, claim = self._claim(words, active, "first", given, weights)
-    evicted = None
-    if claim.victims is not None:
-      victims = claim.victims
-      values, evicted_values = read_rows(table.values, victims.row)
-      table = dataclasses.replace(table, values=tuple(values))
-      defaults = [jnp.broadcast_to(d, x.shape) for d, x in zip(self.default, evicted_values)]
-      leaves = select_rows(victims.refused, defaults, evicted_values)
-      evicted = (victims.words, leaves, victims.scores, victims.valid)
+    offered = None
+    if claim.victims is not None:  # a refused key offered no value: it reports the default
+      offered = [jnp.broadcast_to(d, (words.shape[0], *d.shape)) for d in self.default]
+    table, evicted = table._evicted(claim.victims, offered)
     stored = claim.found | claim.placed
     return table, jnp.where(stored, claim.row, -1), claim.found, claim.placed, evicted
+
+  def _evicted(self, victims: Victims | None, offered) -> tuple[OpenAddressingTable, tuple | None]:
+    """``(table, evicted)``: the victims' entries read before a newcomer writes their rows.
+
+    ``offered``: the value leaves a refused row reports.
+    """
+    if victims is None:
+      return self, None
+    values, victim_values = read_rows(self.values, victims.row)
+    leaves = select_rows(victims.refused, offered, victim_values)
+    return dataclasses.replace(self, values=tuple(values)), (
+      victims.words,
+      leaves,
+      victims.scores,
+      victims.valid,
+    )
 
   def _claim(self, words, active, mode, given, weights) -> tuple[OpenAddressingTable, Claim]:
     """Locates the rows' keys and gives the new ones slots and value rows (evicting when full).
