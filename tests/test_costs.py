@@ -106,11 +106,6 @@ def _sharded_tables():
   }
 
 
-# Known defect (issue 27, open): each device's program copies its shard where the
-# shard_map body takes it out of the stacked shards. Strict: fixing it fails these.
-_SHARDED_COPIES = pytest.mark.xfail(strict=True, reason="sharded routing copies each shard (issue 27)")
-
-
 _METHODS = {
   "insert": lambda t, k, v: t.insert(k, v),
   "insert_and_evict": lambda t, k, v: t.insert_and_evict(k, v),
@@ -146,7 +141,6 @@ def test_functional_methods_under_jit_with_the_table_donated(method):
   _check_methods(method, _tables())
 
 
-@_SHARDED_COPIES
 @pytest.mark.parametrize("method", ["insert", "find_or_insert_rows", "read and write rows"])
 def test_sharded_methods_under_jit_with_the_table_donated(method):
   _check_methods(method, _sharded_tables())
@@ -193,7 +187,6 @@ def test_the_training_step_with_the_model_donated(options):
   _check_step(_Model(**_EMBEDDINGS[options]))
 
 
-@_SHARDED_COPIES
 def test_the_sharded_training_step_with_the_model_donated():
   _check_step(_Model(eviction=jr.LRU(), mesh=mesh_of(2), axis="shard"))
 

@@ -1,8 +1,9 @@
 """A table partitioned across the devices of a mesh axis, on JAX's SPMD runtime.
 
 Each device holds one ordinary table (a *shard*): the keys whose routing hash
-falls to it. The shards are stacked on a leading axis that is split over the
-mesh axis, so the whole table is one pytree of sharded ``jax.Array`` s.
+falls to it. The shards' arrays lie end to end along their first axis (their
+scalars stacked), split over the mesh axis, so the whole table is one pytree
+of sharded ``jax.Array`` s and each device's part of it is its shard.
 
 A batched operation runs under :func:`jax.shard_map` over that axis:
 
@@ -89,13 +90,14 @@ class ShardedTable(Table):
     ([4.0, 2.0, 0.0], 2)
   """
 
-  shards: Storage  # per-device tables, stacked on a leading axis split over `axis`
+  parts: Storage  # the shards' leaves end to end on their first axis (scalars stacked), split over `axis`
   default: tuple  # leaves [*storage_shape]
   mesh: Mesh = static_field()
   axis: str = static_field()
   capacity: int = static_field()
   key_spec: codec.KeySpec = static_field()
   value_spec: ValueSpec = static_field()
+  shard_ranks: tuple = static_field()  # the rank of each leaf of one shard
 
   @classmethod
   def create(
@@ -151,14 +153,38 @@ class ShardedTable(Table):
     shard_capacity = check_capacity(shard_capacity, "shard_capacity")
     one = storage.create(1, key, value, default, **options)  # checks the arguments; specs and default
     return cls(
-      shards=_stacked(lambda: storage.create(shard_capacity, key, value, default, **options), mesh, axis),
+      parts=_laid_out(lambda: storage.create(shard_capacity, key, value, default, **options), mesh, axis),
       default=jax.device_put(one.default, NamedSharding(mesh, PartitionSpec())),  # as jit returns it
       mesh=mesh,
       axis=axis,
       capacity=capacity,
       key_spec=one.key_spec,
       value_spec=one.value_spec,
+      shard_ranks=tuple(x.ndim for x in jax.tree.leaves(one)),
     )
+
+  # ------------------------------------------------------------ shards
+
+  @property
+  def shards(self) -> Storage:
+    """The shards stacked on a leading axis (leaves ``[num_shards, ...]``): a view of :attr:`parts`.
+
+    The shards are kept end to end rather than stacked so that each device's
+    part of a leaf *is* its shard's leaf: taking a shard out of a stacked axis
+    inside ``shard_map`` makes XLA copy it around the kernels that update it
+    in place.
+    """
+    leaves, treedef = jax.tree.flatten(self.parts)
+    num_shards = self.num_shards
+    stacked = [
+      x if rank == 0 else x.reshape(num_shards, x.shape[0] // num_shards, *x.shape[1:])
+      for x, rank in zip(leaves, self.shard_ranks, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, stacked)
+
+  def _with_shards(self, shards: Storage) -> ShardedTable:
+    """This table holding ``shards`` (stacked, as :attr:`shards` gives them)."""
+    return dataclasses.replace(self, parts=_end_to_end(shards))
 
   # ------------------------------------------------------------ counts
 
@@ -226,22 +252,20 @@ class ShardedTable(Table):
     else:
       shard_capacity = _shard_capacity(capacity, self.num_shards, self.eviction)
     first = jax.tree.map(lambda x: x[0], self.shards)
-    shards = _stacked(lambda: first._with_capacity(shard_capacity), self.mesh, self.axis)
-    return dataclasses.replace(self, shards=shards, capacity=capacity)
+    parts = _laid_out(lambda: first._with_capacity(shard_capacity), self.mesh, self.axis)
+    return dataclasses.replace(self, parts=parts, capacity=capacity)
 
   def _tick(self):
-    return dataclasses.replace(self, shards=dataclasses.replace(self.shards, clock=self.shards.clock + 1))
+    return dataclasses.replace(self, parts=dataclasses.replace(self.parts, clock=self.parts.clock + 1))
 
   def _carry(self, other):
-    shards = dataclasses.replace(self.shards, clock=other.shards.clock, evictions=other.shards.evictions)
-    return dataclasses.replace(self, shards=shards)
+    parts = dataclasses.replace(self.parts, clock=other.parts.clock, evictions=other.parts.evictions)
+    return dataclasses.replace(self, parts=parts)
 
   def _restored_counters(self, counters):
     clock = jnp.full_like(self.shards.clock, counters.get("clock", 0))
     evictions = jnp.zeros_like(self.shards.evictions).at[0].set(counters.get("evictions", 0))  # a total
-    return dataclasses.replace(
-      self, shards=dataclasses.replace(self.shards, clock=clock, evictions=evictions)
-    )
+    return dataclasses.replace(self, parts=dataclasses.replace(self.parts, clock=clock, evictions=evictions))
 
   def _lookup_rows(self, words, defaults):
     def op(shard, words, active, rows):
@@ -359,7 +383,7 @@ class ShardedTable(Table):
     return [(x, pick) for x, pick in ((given, "last"), (weights, "add")) if x is not None]
 
   def _erase_rows(self, fn):
-    return dataclasses.replace(self, shards=jax.vmap(lambda shard: shard._erase_rows(fn))(self.shards))
+    return self._with_shards(jax.vmap(lambda shard: shard._erase_rows(fn))(self.shards))
 
   def _slot_rows(self, offset, size):
     words, live = jax.vmap(lambda shard: shard._slots())(self.shards)
@@ -489,7 +513,7 @@ class ShardedTable(Table):
     leaves, given = (rest[:-1], rest[-1]) if scores is not None else (rest, None)
     valid = jax.make_array_from_process_local_data(split, valid, (self.num_shards, width))
     place = jax.jit(jax.vmap(lambda shard, *row: shard._place_rows(*row)), out_shardings=split)
-    return dataclasses.replace(empty, shards=place(empty.shards, words, leaves, given, flat_slots, valid))
+    return empty._with_shards(place(empty.shards, words, leaves, given, flat_slots, valid))
 
   def _local_shards(self):
     return sorted(hosts.local_rows(self.shards.size))
@@ -519,7 +543,7 @@ class ShardedTable(Table):
     def padded(x):
       return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
 
-    def local(shards, words, active, leaves):
+    def local(part, words, active, leaves):
       index = jnp.arange(per_device, dtype=jnp.int32)
       source, travels = index, jnp.ones(per_device, bool)
       if pick is not None:  # rows of one key: the first travels (inactive rows travel alone)
@@ -538,7 +562,7 @@ class ShardedTable(Table):
       received = lax.fori_loop(
         0, rounds, lambda k, acc: route.deliver(arrays, block + k * later, later, acc), received
       )
-      shard = jax.tree.map(lambda x: x[0], shards)
+      shard = self._own(part)
       if by_row:
         received[0] = received[0] % jnp.uint32(self.shard_capacity)
       shard, outputs = op(shard, received[0], received[1], received[2:])
@@ -551,18 +575,28 @@ class ShardedTable(Table):
       results = [y[source] for y in results]
       if flags:
         results[-1] = results[-1] & (source == index)
-      return jax.tree.map(lambda x: x[None], shard), results
+      return self._part(shard), results
 
     spec = PartitionSpec(self.axis)
-    shards, outputs = jax.shard_map(
+    parts, outputs = jax.shard_map(
       # The storages' loops start from constants; every value here is per device anyway.
       local,
       mesh=self.mesh,
       in_specs=(spec, spec, spec, spec),
       out_specs=(spec, spec),
       check_vma=False,
-    )(self.shards, padded(words), padded(active), [padded(x) for x in leaves])
-    return dataclasses.replace(self, shards=shards), [y[:n] for y in outputs]
+    )(self.parts, padded(words), padded(active), [padded(x) for x in leaves])
+    return dataclasses.replace(self, parts=parts), [y[:n] for y in outputs]
+
+  def _own(self, part: Storage) -> Storage:
+    """A device's part of :attr:`parts` (inside ``shard_map``) as its shard: its scalars unstacked."""
+    leaves, treedef = jax.tree.flatten(part)
+    own = [x[0] if rank == 0 else x for x, rank in zip(leaves, self.shard_ranks, strict=True)]
+    return jax.tree.unflatten(treedef, own)
+
+  def _part(self, shard: Storage) -> Storage:
+    """The inverse of :meth:`_own`."""
+    return jax.tree.map(lambda x: x[None] if x.ndim == 0 else x, shard)
 
 
 def _split(rows: list, riders: list) -> tuple:
@@ -667,14 +701,19 @@ def _shard_capacity(capacity: int, num_shards: int, eviction) -> int:
   return capacity // num_shards
 
 
-def _stacked(build, mesh: Mesh, axis: str) -> Storage:
-  """One copy of the table ``build()`` per device along ``axis``, stacked and split over it."""
+def _laid_out(build, mesh: Mesh, axis: str) -> Storage:
+  """One copy of the table ``build()`` per device along ``axis``, as :attr:`ShardedTable.parts`."""
   num_shards = mesh.shape[axis]
 
-  def stacked():
-    return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_shards, *x.shape)), build())
+  def parts():
+    return _end_to_end(jax.tree.map(lambda x: jnp.broadcast_to(x, (num_shards, *x.shape)), build()))
 
-  return jax.jit(stacked, out_shardings=NamedSharding(mesh, PartitionSpec(axis)))()
+  return jax.jit(parts, out_shardings=NamedSharding(mesh, PartitionSpec(axis)))()
+
+
+def _end_to_end(shards: Storage) -> Storage:
+  """Stacked shards (leaves ``[num_shards, ...]``) as :attr:`ShardedTable.parts`: leaves end to end."""
+  return jax.tree.map(lambda x: x if x.ndim == 1 else x.reshape(-1, *x.shape[2:]), shards)
 
 
 def _all_to_all(x, axis: str, num_shards: int):
