@@ -1,114 +1,173 @@
-"""``python -m benchmarks.embedding``: jr.DynamicEmbedding against a dense embedding, same run.
+"""``python -m benchmarks.embedding``: the dynamic-embedding training step against its peers, same run.
 
-* **Step time against capacity**: one jitted training step of 4096 ids
-  (Zipf over 10^6 int64 ids), 32 features, row-wise Adam, LRU eviction, at
-  capacities 2^16 to 2^22 (goal: slowest / fastest <= 1.5).
-* **Against what a JAX user writes today**: an ``nnx.Embed`` of the same
-  capacity (ids hashed to rows) trained with ``optax.adam`` through
-  ``nnx.Optimizer``, the same step otherwise (goal: >= 10x faster at 2^20),
-  and the bytes each takes per row.
+* **The step against capacity**: one training step of 4096 ids (Zipf(1.05)
+  over 10^6 int64 ids), 32 features, Adam, a linear head, at capacities 2^16
+  to 2^22, after 80 warm-up steps (a 2^16 table is then full and evicting),
+  for every peer of :mod:`benchmarks.step_peers`: ``jr.DynamicEmbedding``,
+  the same step written directly in XLA (the floor), a dense ``nnx.Embed``,
+  TF Recommenders-Addons (with and without its restrict policy), PyTorch
+  ``SparseAdam`` and TorchRec (sharded with a fused optimizer, and managed
+  collisions). Each peer runs in a process of its own, ``--runs`` times (each
+  run starting with another peer); every figure is the median of the runs,
+  with their range.
 * **Quality** on the click task of ``jaxres.examples``: the loss after N
   steps of the same model with a ``jr.DynamicEmbedding`` and with a dense
   hashed embedding of equal capacity, both trained with Adam.
 
-Both steps donate their model and optimizer, so neither copies its tables.
-Options: ``--scale`` (1.0: the sizes above; smaller for a quick run),
-``--steps`` (timed steps per run), ``--out``.
+The peers need their own packages: TF Recommenders-Addons pins TensorFlow
+2.16, so it gets an environment of its own (``--tfra-python``); PyTorch and
+TorchRec another (``--torch-python``); both default to this interpreter. A
+peer that cannot run shows why in the report. Options: ``--scale`` (1.0: the
+sizes above; smaller for a quick run), ``--steps`` (timed steps per run),
+``--runs``, ``--peers``, ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import statistics
-import time
+import json
+import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 
 import jaxres as jr
+from benchmarks import run as tables_run
 from benchmarks.eviction import zipf_stream
 from jaxres.examples import ClickStream, Run, RunConfig
 
-IDS, FEATURES = 4096, 32
-ADAM = optax.adam(1e-3)
+ROOT = Path(__file__).resolve().parents[1]
+IDS = 4096
+WARMUP = 80
+OURS = "jaxres"
+PEERS = {  # name -> (label, environment)
+  "jaxres": ("jr.DynamicEmbedding (LRU)", "jax"),
+  "xla": ("the same step in plain XLA (hashed rows, lazy Adam)", "jax"),
+  "dense": ("nnx.Embed + optax.adam (hashed rows)", "jax"),
+  "tfra": ("TFRA dynamic_embedding", "tfra"),
+  "tfra-restrict": ("TFRA dynamic_embedding + TimestampRestrictPolicy", "tfra"),
+  "torch-sparse-adam": ("PyTorch nn.Embedding(sparse) + SparseAdam (hashed rows)", "torch"),
+  "torchrec-sharded": ("TorchRec sharded EmbeddingCollection, fused row-wise Adagrad (hashed rows)", "torch"),
+  "torchrec-managed": ("TorchRec managed-collision EmbeddingCollection + Adam", "torch"),
+}
 
 
-class Sparse(nnx.Module):
-  def __init__(self, capacity: int):
-    self.emb = jr.DynamicEmbedding(capacity, FEATURES, optimizer=ADAM, eviction=jr.LRU(), rngs=nnx.Rngs(0))
-    self.head = nnx.Linear(FEATURES, 1, rngs=nnx.Rngs(1))
+def measure(peer: str, python: str, stream: Path, capacities: list[int], warmup: int, steps: int) -> dict:
+  """One process of :mod:`benchmarks.step_peers`: ``{capacity: us}``, or ``{"error": why}``."""
+  command = [python, "-m", "benchmarks.step_peers", peer, "--stream", str(stream)]
+  command += ["--capacities", ",".join(map(str, capacities)), "--warmup", str(warmup), "--steps", str(steps)]
+  env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+  done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+  lines = done.stdout.strip().splitlines()
+  if done.returncode or not lines:
+    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"error": f"exit {done.returncode}: {last[:200]}"}
+  return {int(k) if k.isdigit() else k: v for k, v in json.loads(lines[-1]).items()}
 
 
-class Dense(nnx.Module):
-  def __init__(self, capacity: int):
-    self.capacity = capacity
-    self.emb = nnx.Embed(capacity, FEATURES, rngs=nnx.Rngs(0))
-    self.head = nnx.Linear(FEATURES, 1, rngs=nnx.Rngs(1))
-
-  def rows(self, ids):
-    return self.emb(hashed(ids, self.capacity))
-
-
-def hashed(ids, capacity: int) -> jax.Array:
-  """Dense baseline: word-pair ids hashed to ``[0, capacity)`` rows (collisions share a row)."""
-  return (jr.keys.hash(ids, jnp.int64) % jnp.uint32(capacity)).astype(jnp.int32)
-
-
-def _loss(head, rows, labels):
-  return jnp.mean((head(rows)[..., 0] - labels) ** 2)
-
-
-@functools.partial(nnx.jit, donate_argnums=(0, 1))
-def sparse_step(model: Sparse, optimizer, ids, labels):
-  rows = model.emb(ids)
-  loss, (grads, row_grads) = nnx.value_and_grad(lambda m, r: _loss(m.head, r, labels), argnums=(0, 1))(
-    model, rows
-  )
-  optimizer.update(model, grads)
-  model.emb.apply_gradients(ids, row_grads)
-  return loss
+def step_times(pythons: dict, peers: list[str], capacities: list[int], steps: int, runs: int) -> dict:
+  """``{peer: {capacity: us, "spread": {capacity: (lo, hi)}}}`` (or ``{"error": ...}``) over ``runs`` runs."""
+  accesses = (WARMUP + steps) * IDS
+  ids = zipf_stream(np.random.default_rng(0), accesses, 1_000_000, a=1.05).reshape(-1, IDS)
+  results = [{} for _ in range(runs)]
+  with tempfile.TemporaryDirectory() as folder:
+    stream = Path(folder) / "ids.npy"
+    np.save(stream, ids)
+    for r in range(runs):
+      for peer in peers[r % len(peers) :] + peers[: r % len(peers)]:
+        results[r][peer] = measure(peer, pythons[PEERS[peer][1]], stream, capacities, WARMUP, steps)
+  combined = {}
+  for peer in peers:
+    errors = [run[peer]["error"] for run in results if "error" in run[peer]]
+    if errors:
+      combined[peer] = {"error": errors[0]}
+    else:
+      combined[peer] = tables_run.combine([{peer: run[peer]} for run in results])[peer]
+  return combined
 
 
-@functools.partial(nnx.jit, donate_argnums=(0, 1))
-def dense_step(model: Dense, optimizer, ids, labels):
-  loss, grads = nnx.value_and_grad(lambda m: _loss(m.head, m.rows(ids), labels))(model)
-  optimizer.update(model, grads)
-  return loss
+def _us(figures: dict, capacity: int) -> str:
+  value, (lo, hi) = figures[capacity], figures["spread"][capacity]
+  return f"{value:,.0f} ({lo:,.0f}-{hi:,.0f})"
 
 
-def step_time(kind: str, capacity: int, stream: np.ndarray, steps: int, repeats: int = 3) -> dict:
-  """Median step time (us) over ``repeats`` runs, after warm-up steps; bytes per row."""
-  model = Sparse(capacity) if kind == "sparse" else Dense(capacity)
-  optimizer = nnx.Optimizer(model, ADAM, wrt=nnx.Param)
-  step = sparse_step if kind == "sparse" else dense_step
-  batches = [jr.keys.split64(stream[i : i + IDS]) for i in range(0, stream.size - IDS + 1, IDS)]
-  labels = jnp.ones(IDS, jnp.float32)
-  warm = min(len(batches) // 2, 8)
-  for ids in batches[:warm]:
-    step(model, optimizer, ids, labels).block_until_ready()
-  runs = []
-  for r in range(repeats):
-    times = []
-    for i in range(steps):
-      ids = batches[(warm + r * steps + i) % len(batches)]
-      start = time.perf_counter()
-      step(model, optimizer, ids, labels).block_until_ready()
-      times.append(time.perf_counter() - start)
-    runs.append(statistics.median(times) * 1e6)
-  held = nnx.state(model, nnx.Not(nnx.Param)) if kind == "sparse" else nnx.state(model.emb)
-  state_bytes = sum(x.nbytes for x in jax.tree.leaves(held))
-  if kind == "dense":
-    state_bytes += sum(x.nbytes for x in jax.tree.leaves(nnx.state(optimizer.opt_state)) if x.ndim == 2)
-  return {
-    "us": statistics.median(runs),
-    "spread": (min(runs), max(runs)),
-    "bytes_per_row": state_bytes / capacity,
-  }
+def _flatness(figures: dict, capacities: list[int]) -> float:
+  return max(figures[c] for c in capacities) / min(figures[c] for c in capacities)
+
+
+def goals(times: dict, capacities: list[int]) -> list[tuple[str, str, bool]]:
+  """``(goal, measured, met)`` for each goal the step has against its peers."""
+  ours = times[OURS]
+  rows = []
+
+  def against(peer: str, label: str, factor: float):
+    theirs = times.get(peer, {})
+    if "error" in theirs or not theirs:
+      rows.append((label, f"not measured ({theirs.get('error', 'not run')})", False))
+      return
+    ratios = [theirs[c] / ours[c] for c in capacities]
+    measured = ", ".join(f"{r:.2f}x" for r in ratios)
+    rows.append((label, measured, min(ratios) >= factor))
+
+  tfra = [p for p in ("tfra", "tfra-restrict") if "error" not in times.get(p, {"error": ""})]
+  if tfra:  # the faster TFRA configuration at each capacity
+    times["tfra-best"] = {c: min(times[p][c] for p in tfra) for c in capacities}
+  else:
+    times["tfra-best"] = {"error": times.get("tfra", {}).get("error", "not run")}
+  against("tfra-best", ">= 2x faster than TFRA (its faster configuration) at every capacity", 2.0)
+  against("torch-sparse-adam", "faster than PyTorch SparseAdam at every capacity", 1.0)
+  flat = _flatness(ours, capacities)
+  rows.append(("slowest / fastest capacity <= 1.2", f"{flat:.2f}", flat <= 1.2))
+  if "error" not in times.get("xla", {"error": ""}):
+    worst = max(ours[c] / times["xla"][c] for c in capacities)
+    rows.append(("within 2x of the same step in plain XLA", f"{worst:.2f}x at worst", worst <= 2.0))
+  times.pop("tfra-best")
+  return rows
+
+
+def report(times: dict, capacities: list[int], steps: int, runs: int, losses: dict | None) -> str:
+  columns = [f"2^{c.bit_length() - 1}" for c in capacities]
+  lines = [
+    f"## Training steps of {IDS} ids x 32 features, Adam: us per step",
+    "",
+    "| peer | " + " | ".join(columns) + " |",
+    "|---|" + "---|" * len(columns),
+  ]
+  for peer, figures in times.items():
+    label = PEERS[peer][0]
+    if "error" in figures:
+      lines.append(f"| {label} | " + " | ".join(["n/a"] * len(columns)) + " |")
+    else:
+      lines.append(f"| {label} | " + " | ".join(_us(figures, c) for c in capacities) + " |")
+  met = {True: "yes", False: "**no**"}
+  lines += ["", "| goal | measured | met |", "|---|---|---|"]
+  lines += [f"| {goal} | {measured} | {met[ok]} |" for goal, measured, ok in goals(times, capacities)]
+  errors = [f"{PEERS[p][0]}: {f['error']}" for p, f in times.items() if "error" in f]
+  lines += [
+    "",
+    f"Each figure: the median over {runs} runs (separate processes, each starting with another peer) of "
+    f"the median of {steps} timed steps after {WARMUP} warm-up steps; in parentheses the range of the "
+    "runs. Zipf(1.05) ids over 10^6 distinct int64 ids, a linear head, squared error; a step ends when "
+    "its loss is on the host. Hashed rows: ids taken modulo the capacity (collisions share a row).",
+  ]
+  if errors:
+    lines += ["", "Not measured: " + "; ".join(errors) + "."]
+  if losses is not None:
+    config = losses["config"]
+    lines += [
+      "",
+      f"Quality, click task ({losses['steps']} steps of {config.batch_size} examples x {config.num_fields} "
+      f"ids, {config.vocab_size * config.num_fields:,} distinct ids, {config.capacity:,} rows): mean loss "
+      f"of the last {losses['tail']} steps, jr.DynamicEmbedding (LRU, min_count={config.min_count}) "
+      f"{losses['sparse']:.4f}, dense hashed nnx.Embed {losses['dense']:.4f}.",
+    ]
+  return "\n".join(lines)
 
 
 class DenseClickModel(nnx.Module):
@@ -124,11 +183,12 @@ class DenseClickModel(nnx.Module):
     self.output = nnx.Linear(config.hidden, 1, rngs=rngs)
 
   def __call__(self, ids):
-    x = self.emb(hashed(ids, self.capacity))
+    rows = (jr.keys.hash(ids, jax.numpy.int64) % jax.numpy.uint32(self.capacity)).astype(jax.numpy.int32)
+    x = self.emb(rows)
     return self.output(nnx.relu(self.hidden(x.reshape(x.shape[0], -1))))[:, 0]
 
 
-@functools.partial(nnx.jit, donate_argnums=(0, 1))
+@nnx.jit(donate_argnums=(0, 1))
 def dense_click_step(model, optimizer, ids, labels):
   def loss(m):
     return optax.sigmoid_binary_cross_entropy(m(ids), labels).mean()
@@ -140,11 +200,8 @@ def dense_click_step(model, optimizer, ids, labels):
 
 def quality(config: RunConfig, steps: int) -> dict:
   """Mean loss over the last tenth of ``steps`` for the dynamic and the dense click models."""
-  import tempfile
-
   with tempfile.TemporaryDirectory() as workdir:
-    run = Run(config, workdir, checkpoint_every=None)
-    sparse = run.train(steps)
+    sparse = Run(config, workdir, checkpoint_every=None).train(steps)
   stream = ClickStream(
     batch_size=config.batch_size, num_fields=config.num_fields, vocab_size=config.vocab_size
   )
@@ -156,67 +213,41 @@ def quality(config: RunConfig, steps: int) -> dict:
     dense.append(dense_click_step(model, optimizer, jr.keys.split64(batch.ids), batch.labels))
   dense = np.asarray(jax.device_get(dense))
   tail = max(1, steps // 10)
-  return {"sparse": float(sparse[-tail:].mean()), "dense": float(dense[-tail:].mean()), "tail": tail}
-
-
-def report(scale: float, steps: int) -> str:
-  capacities = [1 << k for k in (16, 18, 20, 22)] if scale >= 1 else [1 << 10, 1 << 12]
-  stream = zipf_stream(
-    np.random.default_rng(0), max(IDS * 64, int(IDS * 400 * scale)), int(1_000_000 * scale) or 1000
-  )
-  sparse = {c: step_time("sparse", c, stream, steps) for c in capacities}
-  dense = {c: step_time("dense", c, stream, steps) for c in capacities}
-  config = RunConfig() if scale >= 1 else RunConfig(capacity=1024, batch_size=64, vocab_size=4000)
-  click_steps = 1500 if scale >= 1 else 30
-  losses = quality(config, click_steps)
-
-  def us(m):
-    return f"{m['us']:,.0f} us ({m['spread'][0]:,.0f}-{m['spread'][1]:,.0f})"
-
-  flat = max(m["us"] for m in sparse.values()) / min(m["us"] for m in sparse.values())
-  big = 1 << 20 if scale >= 1 else max(capacities)
-  speedup = dense[big]["us"] / sparse[big]["us"]
-  lines = [
-    f"## jr.DynamicEmbedding: training steps of {IDS} ids x {FEATURES} features, Adam, LRU",
-    "",
-    "| capacity | DynamicEmbedding step | nnx.Embed + adam step | speedup | bytes/row (ours, dense) |",
-    "|---|---|---|---|---|",
-  ]
-  for c in capacities:
-    d = dense[c]
-    lines.append(
-      f"| 2^{c.bit_length() - 1} | {us(sparse[c])} | {us(d)} | {d['us'] / sparse[c]['us']:,.1f}x | "
-      f"{sparse[c]['bytes_per_row']:,.0f} / {d['bytes_per_row']:,.0f} |"
-    )
-  met = {True: "yes", False: "**no**"}
-  lines += [
-    "",
-    "| goal | measured | met |",
-    "|---|---|---|",
-    f"| step time flat in capacity: slowest / fastest <= 1.5 | {flat:.2f} | {met[flat <= 1.5]} |",
-    f"| >= 10x faster than the dense step at 2^{big.bit_length() - 1} | {speedup:,.1f}x "
-    f"| {met[speedup >= 10]} |",
-    "",
-    f"Quality, click task ({click_steps} steps of {config.batch_size} examples x {config.num_fields} ids, "
-    f"{config.vocab_size * config.num_fields:,} distinct ids, {config.capacity:,} rows): mean loss of "
-    f"the last {losses['tail']} steps, jr.DynamicEmbedding (LRU, min_count={config.min_count}) "
-    f"{losses['sparse']:.4f}, dense hashed nnx.Embed {losses['dense']:.4f}.",
-    "",
-    f"Step times: medians of 3 runs of {steps} steps (range of the run medians), after warm-up steps "
-    "that compile and fill the table; model and optimizer donated.",
-  ]
-  return "\n".join(lines)
+  return {
+    "sparse": float(sparse[-tail:].mean()),
+    "dense": float(dense[-tail:].mean()),
+    "tail": tail,
+    "steps": steps,
+    "config": config,
+  }
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--scale", type=float, default=1.0)
-  parser.add_argument("--steps", type=int, default=20)
-  parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "embedding.md")
+  parser.add_argument("--scale", type=float, default=1.0, help="1.0: the sizes of the report")
+  parser.add_argument("--steps", type=int, default=100, help="timed steps per run")
+  parser.add_argument("--runs", type=int, default=3, help="runs, each peer in its own process")
+  parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated, of: " + ", ".join(PEERS))
+  parser.add_argument("--tfra-python", default=os.environ.get("JAXRES_BENCH_TFRA_PYTHON", sys.executable))
+  parser.add_argument("--torch-python", default=os.environ.get("JAXRES_BENCH_TORCH_PYTHON", sys.executable))
+  parser.add_argument("--no-quality", action="store_true", help="skip the click-task quality run")
+  parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "embedding.md")
   args = parser.parse_args(argv)
-  text = report(args.scale, args.steps)
+  full = args.scale >= 1
+  capacities = [1 << k for k in (16, 18, 20, 22)] if full else [1 << 10, 1 << 12]
+  peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+  unknown = sorted(set(peers) - set(PEERS))
+  if unknown or OURS not in peers:
+    parser.error(f"--peers: expected jaxres and any of {sorted(PEERS)}, got {peers}")
+  pythons = {"jax": sys.executable, "tfra": args.tfra_python, "torch": args.torch_python}
+  times = step_times(pythons, peers, capacities, args.steps, args.runs)
+  losses = None
+  if not args.no_quality:
+    config = RunConfig() if full else RunConfig(capacity=1024, batch_size=64, vocab_size=4000)
+    losses = quality(config, 1500 if full else 30)
+  text = report(times, capacities, args.steps, args.runs, losses)
   print(text)
-  if args.scale == 1.0:
+  if full:
     args.out.write_text(text + "\n")
 
 

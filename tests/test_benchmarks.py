@@ -60,12 +60,13 @@ def test_benchmark_harness_runs_on_tiny_sizes():
     ),
     (
       "embedding",
-      ["--scale", "0.01", "--steps", "2"],
+      ["--scale", "0.01", "--steps", "2", "--runs", "2", "--peers", "jaxres,xla,torch-sparse-adam"],
       [
-        "| 2^10 |",
-        "| 2^12 |",
-        "step time flat in capacity",
-        "faster than the dense step",
+        "| 2^10 | 2^12 |",
+        "| jr.DynamicEmbedding (LRU) | ",
+        "| the same step in plain XLA",
+        "slowest / fastest capacity <= 1.2",
+        "within 2x of the same step in plain XLA",
         "Quality, click task",
       ],
     ),

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxres as jr
-from jaxres._core import claims, evicting, native, placing, rows
+from jaxres._core import batch, claims, evicting, native, placing, rows
 from jaxres._core.storage import Storage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -332,6 +332,40 @@ def test_read_rows_kernel_equals_take(dtype, shape):
   (same,), (got,) = jax.jit(rows.read_rows)([leaf], index)
   np.testing.assert_array_equal(np.asarray(same), np.asarray(leaf))
   np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.take(leaf, index, axis=0, mode="clip")))
+
+
+@pytest.mark.skipif(not native.ENABLED, reason="kernels off")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8, jnp.uint32, jnp.float16])
+@pytest.mark.parametrize("shape", [(50,), (50, 3), (50, 2, 5)])
+def test_take_rows_kernel_equals_take(dtype, shape):
+  rng = np.random.default_rng(len(shape))
+  leaf = jnp.asarray(rng.integers(-100, 100, shape)).astype(dtype)
+  index = jnp.asarray(rng.integers(-5, 60, (37,)), jnp.int32)
+  (got,) = jax.jit(rows.take_rows)([leaf], index)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.take(leaf, index, axis=0, mode="clip")))
+
+
+@pytest.mark.skipif(not native.ENABLED, reason="kernels off")
+@settings(max_examples=25, deadline=None)
+@given(
+  seed=st.integers(0, 2**16),
+  n=st.integers(1, 300),
+  groups=st.sampled_from([1, 3, 40, 1 << 20, 2**31 - 1]),
+  dtype=st.sampled_from([np.float32, np.float64]),
+  width=st.sampled_from([(), (1,), (5,), (2, 3)]),
+)
+def test_group_sums_kernel_equals_its_reference(seed, n, groups, dtype, width):
+  """Bit for bit: groups repeated many times (deep trees), rows of no group, values of every scale."""
+  rng = np.random.default_rng(seed)
+  group_of = rng.integers(0, groups, n).astype(np.int32)
+  group_of[rng.random(n) < 0.1] = -1
+  scale = 10.0 ** rng.integers(-30, 30, (n, *[1] * len(width)))
+  x = (rng.normal(size=(n, *width)) * scale).astype(dtype)
+  kernel = jax.jit(batch.group_sums)(group_of, x)
+  reference = jax.jit(batch._group_sums)(group_of, x)
+  _assert_same(kernel, reference)
+  live = sorted(set(group_of[group_of >= 0].tolist()))
+  assert np.asarray(kernel[0]).tolist() == live + [-1] * (n - len(live))
 
 
 @pytest.mark.skipif(not native.ENABLED, reason="kernels off")

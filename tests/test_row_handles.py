@@ -89,17 +89,18 @@ def test_donated_calls_reuse_the_table():
   )  # unwritten rows: zeros
 
 
-def test_tree_sums_depend_on_each_group_alone():
+def test_group_sums_depend_on_each_group_alone():
   """A group's sum has the same bits whatever number names the group (a table's row numbering)."""
   rng = np.random.default_rng(0)
   x = jnp.asarray((rng.normal(size=(64, 3)) * 10.0 ** rng.integers(-3, 4, (64, 1))).astype(np.float32))
   groups = rng.integers(0, 6, 64)
-  first = batch.tree_sums(jnp.asarray(groups), x)
-  renamed = batch.tree_sums(jnp.asarray(np.array([50, 3, 17, 9, 1, 33])[groups]), x)
-  assert np.asarray(first).tobytes() == np.asarray(renamed).tobytes()
+  names = np.array([50, 3, 17, 9, 1, 33])
+  first_groups, first = batch.group_sums(jnp.asarray(groups), x)
+  renamed_groups, renamed = batch.group_sums(jnp.asarray(names[groups]), x)
+  assert first_groups.tolist() == list(range(6)) + [-1] * 58
+  assert renamed_groups.tolist() == sorted(names.tolist()) + [-1] * 58
+  by_name = {int(g): np.asarray(row) for g, row in zip(renamed_groups[:6], renamed[:6])}
   for g in range(6):
-    np.testing.assert_allclose(
-      np.asarray(first)[groups == g],
-      np.broadcast_to(x[groups == g].sum(0), ((groups == g).sum(), 3)),
-      rtol=1e-5,
-    )
+    assert by_name[int(names[g])].tobytes() == np.asarray(first[g]).tobytes()
+    np.testing.assert_allclose(first[g], x[groups == g].sum(0), rtol=1e-5)
+  assert not np.asarray(first[6:]).any()

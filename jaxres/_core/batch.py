@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxres._core import claims
+from jaxres._core import claims, native
 
 
 class Groups(NamedTuple):
@@ -61,26 +61,40 @@ def unsort(groups: Groups, x):
   return jax.tree.map(lambda a: jnp.zeros_like(a).at[groups.perm].set(a, unique_indices=True), x)
 
 
-def tree_sums(group_of: jax.Array, x: jax.Array) -> jax.Array:
-  """For each row, the sum of ``x`` over the rows of its group, as a balanced tree in batch order.
+def group_sums(group_of: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The distinct groups of a batch and the sum of ``x`` over each, as a balanced tree in batch order.
 
   ``group_of``: ``int32[N]``, equal for the rows of a group (an id's value
-  row, say). A group's rows ``r0, r1, r2, ...`` (in batch order) are added as
-  ``(x[r0] + x[r1]) + (x[r2] + x[r3]) ...``: the bits of a sum depend on the
-  group's own rows alone, not on how the group numbers sort among others, so
-  the same ids give the same sums whatever rows a table gave them. No
-  scatter with duplicate indices is involved: bitwise reproducible on every
-  backend.
+  row, say); negative rows belong to no group. Returns ``(groups, sums)``:
+  ``groups`` (``int32[N]``) holds the distinct groups in ascending order,
+  then ``-1``; ``sums[j]`` is the sum over the rows of ``groups[j]`` (zeros
+  after the last group). A group's rows ``r0, r1, r2, ...`` (in batch order)
+  are added as ``(x[r0] + x[r1]) + (x[r2] + x[r3]) ...``: the bits of a sum
+  depend on the group's own rows alone, not on how the group numbers sort
+  among others, so the same ids give the same sums whatever rows a table
+  gave them. No scatter with duplicate indices is involved: bitwise
+  reproducible on every backend. On CPU a kernel (``jaxres_group_sums``)
+  computes the same sums.
 
   Example:
     >>> import jax.numpy as jnp
-    >>> tree_sums(jnp.array([7, 2, 7, 7]), jnp.array([1.0, 2.0, 4.0, 8.0])).tolist()
-    [13.0, 2.0, 13.0, 13.0]
+    >>> groups, sums = group_sums(jnp.array([7, 2, 7, -1, 7]), jnp.array([1.0, 2.0, 4.0, 8.0, 16.0]))
+    >>> groups.tolist(), sums.tolist()
+    ([2, 7, -1, -1, -1], [2.0, 21.0, 0.0, 0.0, 0.0])
   """
+  group_of = jnp.asarray(group_of, jnp.int32)
+  results = (jax.ShapeDtypeStruct(group_of.shape, jnp.int32), jax.ShapeDtypeStruct(x.shape, x.dtype))
+  if x.dtype not in (jnp.float32, jnp.float64):
+    return _group_sums(group_of, x)
+  return native.on_cpu("jaxres_group_sums", _group_sums, results, group_of, x)
+
+
+def _group_sums(group_of, x):
   n = group_of.shape[0]
   index = jnp.arange(n, dtype=jnp.int32)
-  _, perm = lax.sort((group_of.astype(jnp.int32), index), num_keys=1, is_stable=True)
-  sorted_group = group_of[perm]
+  none = jnp.iinfo(jnp.int32).max
+  _, perm = lax.sort((jnp.where(group_of >= 0, group_of, none), index), num_keys=1, is_stable=True)
+  sorted_group = jnp.where(group_of >= 0, group_of, none)[perm]
   head = jnp.concatenate([jnp.ones(1, bool), sorted_group[1:] != sorted_group[:-1]])
   tail = jnp.concatenate([sorted_group[1:] != sorted_group[:-1], jnp.ones(1, bool)])
   start = lax.cummax(jnp.where(head, index, 0))
@@ -98,12 +112,10 @@ def tree_sums(group_of: jax.Array, x: jax.Array) -> jax.Array:
 
   longest = jnp.max(length)
   _, partial = lax.while_loop(lambda s: s[0] < longest, combine, (jnp.int32(1), partial))
-  return unsort_rows(perm, partial[start])
-
-
-def unsort_rows(perm: jax.Array, x: jax.Array) -> jax.Array:
-  """Rows of ``x`` in sorted order (``perm``: sorted position -> batch index) back in batch order."""
-  return jnp.zeros_like(x).at[perm].set(x, unique_indices=True)
+  first = head & (sorted_group != none)  # each group's first row now holds its sum
+  target = jnp.where(first, jnp.cumsum(first, dtype=jnp.int32) - 1, n)
+  groups = jnp.full(n, -1, jnp.int32).at[target].set(sorted_group, mode="drop", unique_indices=True)
+  return groups, jnp.zeros_like(x).at[target].set(partial, mode="drop", unique_indices=True)
 
 
 def first_occurrence_rank(groups: Groups, selected: jax.Array) -> jax.Array:

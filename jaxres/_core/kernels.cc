@@ -12,6 +12,8 @@
 //   jaxres_evict      evicting.evict                  (evicting.py)
 //   jaxres_read_rows  rows.read_rows                  (rows.py)
 //   jaxres_write_rows rows.write_rows                 (rows.py)
+//   jaxres_take_rows  rows.take_rows                  (rows.py)
+//   jaxres_group_sums batch.group_sums                (batch.py)
 //
 // The XLA versions work in data-parallel rounds; these run the same rounds
 // one row at a time, without the per-op overhead of XLA:CPU, with software
@@ -32,6 +34,7 @@
 #include <mutex>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -960,6 +963,89 @@ ffi::Error WriteRows(ffi::AnyBuffer leaf, ffi::Buffer<ffi::S32> index, ffi::Buff
   return ffi::Error::Success();
 }
 
+// rows.take_rows: the rows `index` (clipped) of `leaf`.
+ffi::Error TakeRows(ffi::AnyBuffer leaf, ffi::Buffer<ffi::S32> index, ffi::Result<ffi::AnyBuffer> rows_out) {
+  const char* from = static_cast<const char*>(leaf.untyped_data());
+  const int64_t bytes = RowBytes(leaf), count = leaf.dimensions()[0], n = index.element_count();
+  const int32_t* at = index.typed_data();
+  char* to = static_cast<char*>(rows_out->untyped_data());
+  auto row = [&](int64_t i) { return from + std::clamp<int64_t>(at[i], 0, count - 1) * bytes; };
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) PrefetchRow(row(i + kAhead), bytes);
+    CopyRow(to + i * bytes, row(i), bytes);
+  }
+  return ffi::Error::Success();
+}
+
+// The rows 0..n-1 with key[i] >= 0, stably sorted by key: radix passes of 11 bits, as many as
+// the largest key needs.
+std::vector<int32_t> SortedRows(const int32_t* key, int64_t n) {
+  constexpr int kBits = 11;
+  std::vector<int32_t> rows, passed;
+  rows.reserve(n);
+  int32_t largest = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (key[i] < 0) continue;
+    rows.push_back(static_cast<int32_t>(i));
+    largest = std::max(largest, key[i]);
+  }
+  passed.resize(rows.size());
+  std::vector<int32_t> start(1 << kBits);
+  for (int shift = 0; shift == 0 || (largest >> shift) > 0; shift += kBits) {
+    std::fill(start.begin(), start.end(), 0);
+    for (int32_t r : rows) ++start[(key[r] >> shift) & ((1 << kBits) - 1)];
+    int32_t total = 0;
+    for (auto& c : start) total += std::exchange(c, total);
+    for (int32_t r : rows) passed[start[(key[r] >> shift) & ((1 << kBits) - 1)]++] = r;
+    rows.swap(passed);
+  }
+  return rows;
+}
+
+// batch.group_sums: the distinct groups >= 0 in ascending order (-1 after them), and for each
+// the sum of its rows of x as the same balanced tree over its rows in batch order.
+template <typename T>
+void GroupSumsOf(const int32_t* group, const T* x, int64_t n, int64_t width, int32_t* groups, T* sums) {
+  std::fill(groups, groups + n, -1);
+  std::fill(sums, sums + n * width, T(0));
+  const std::vector<int32_t> rows = SortedRows(group, n);
+  std::vector<T> partial;
+  int64_t out = 0;
+  for (size_t begin = 0, end; begin < rows.size(); begin = end) {
+    for (end = begin + 1; end < rows.size() && group[rows[end]] == group[rows[begin]];) ++end;
+    const int64_t length = end - begin;
+    partial.resize(length * width);
+    for (int64_t r = 0; r < length; ++r) std::memcpy(&partial[r * width], x + rows[begin + r] * width, width * sizeof(T));
+    for (int64_t step = 1; step < length; step *= 2) {
+      for (int64_t r = 0; r + step < length; r += 2 * step) {
+        T* into = &partial[r * width];
+        const T* other = &partial[(r + step) * width];
+        for (int64_t j = 0; j < width; ++j) into[j] = into[j] + other[j];
+      }
+    }
+    groups[out] = group[rows[begin]];
+    std::memcpy(sums + out * width, partial.data(), width * sizeof(T));
+    ++out;
+  }
+}
+
+ffi::Error GroupSums(ffi::Buffer<ffi::S32> group, ffi::AnyBuffer x, ffi::ResultBuffer<ffi::S32> groups,
+                     ffi::Result<ffi::AnyBuffer> sums) {
+  const int64_t n = group.element_count(), width = n ? x.element_count() / n : 0;
+  switch (x.element_type()) {
+    case ffi::DataType::F32:
+      GroupSumsOf(group.typed_data(), x.typed_data<float>(), n, width, groups->typed_data(),
+                  sums->typed_data<float>());
+      return ffi::Error::Success();
+    case ffi::DataType::F64:
+      GroupSumsOf(group.typed_data(), x.typed_data<double>(), n, width, groups->typed_data(),
+                  sums->typed_data<double>());
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("jaxres_group_sums: expected float32 or float64 rows");
+  }
+}
+
 // A set of slot numbers (non-negative int32), sized for `capacity` of them.
 class SlotSet {
  public:
@@ -1185,6 +1271,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresWriteRows, WriteRows,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresTakeRows, TakeRows,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresGroupSums, GroupSums,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresReadRows, ReadRows,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
@@ -1212,6 +1308,8 @@ PyObject* Targets(PyObject*, PyObject*) {
   add("jaxres_evict", JaxresEvict);
   add("jaxres_read_rows", JaxresReadRows);
   add("jaxres_write_rows", JaxresWriteRows);
+  add("jaxres_take_rows", JaxresTakeRows);
+  add("jaxres_group_sums", JaxresGroupSums);
   return targets;
 }
 

@@ -265,12 +265,17 @@ class OpenAddressingTable(Storage):
 
   def _claim_rows(self, words, active, given=None, weights=None):
     table, claim = self._claim(words, active, "first", given, weights)
-    offered = None
-    if claim.victims is not None:  # a refused key offered no value: it reports the default
-      offered = [jnp.broadcast_to(d, (words.shape[0], *d.shape)) for d in self.default]
-    table, evicted = table._evicted(claim.victims, offered)
     stored = claim.found | claim.placed
-    return table, jnp.where(stored, claim.row, -1), claim.found, claim.placed, evicted
+    row = jnp.where(stored, claim.row, -1)
+    victims = claim.victims
+    if victims is None:
+      return table, row, claim.found, claim.placed, None
+    # No row is written here: the victims' values are still in their rows, read by a plain
+    # gather that the compiled program drops when the caller does not use them. A refused
+    # key offered no value: it reports the default.
+    offered = [jnp.broadcast_to(d, (words.shape[0], *d.shape)) for d in self.default]
+    values = select_rows(victims.refused, offered, take_rows(table.values, victims.row))
+    return table, row, claim.found, claim.placed, (victims.words, values, victims.scores, victims.valid)
 
   def _evicted(self, victims: Victims | None, offered) -> tuple[OpenAddressingTable, tuple | None]:
     """``(table, evicted)``: the victims' entries read before a newcomer writes their rows.

@@ -9,8 +9,14 @@ from jaxres._core import claims, native
 
 
 def take_rows(leaves, index):
-  """Rows ``index`` of every leaf (clipped)."""
-  return [jnp.take(x, index, axis=0, mode="clip") for x in leaves]
+  """Rows ``index`` of every leaf (clipped); on CPU a kernel (``jaxres_take_rows``) copies them."""
+  index = jnp.asarray(index, jnp.int32)
+  out = []
+  for x in leaves:
+    results = (jax.ShapeDtypeStruct(index.shape + x.shape[1:], x.dtype),)
+    reference = lambda x, index: (jnp.take(x, index, axis=0, mode="clip"),)
+    out.append(native.on_cpu("jaxres_take_rows", reference, results, x, index)[0])
+  return out
 
 
 def read_rows(leaves, index) -> tuple[list, list]:

@@ -14,7 +14,6 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxres._core import batch as batch_lib
-from jaxres._core import claims
 from jaxres._core.args import check_int
 from jaxres._core.eviction import check_policy
 from jaxres._core.open_addressing import OpenAddressingTable
@@ -331,14 +330,10 @@ def _embed(spec: _Spec, table: Table, counts, counters, seed, words):
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("table",))
 def _update(spec: _Spec, table: Table, words, grads, recent):
-  index = _rows_of(table, words, recent)
-  present = index >= 0
-  total = batch_lib.tree_sums(index, grads)
-  values = table.read_rows(index)
-  rows, slots = spec.optimizer.update(total, values["row"], values["slots"])
-  # Every row of an id carries the same new value: its first one writes it.
-  first = claims.first_per_slot(index, present)
-  return table.write_rows(index, {"row": rows, "slots": tuple(slots)}, valid=first)
+  rows, total = batch_lib.group_sums(_rows_of(table, words, recent), grads)  # each row once, its ids' sum
+  values = table.read_rows(rows)
+  new_rows, slots = spec.optimizer.update(total, values["row"], values["slots"])
+  return table.write_rows(rows, {"row": new_rows, "slots": tuple(slots)}, valid=rows >= 0)
 
 
 def _rows_of(table: Table, words, recent) -> jax.Array:
