@@ -386,8 +386,17 @@ def test_write_rows_kernel_equals_its_reference_and_a_loop(dtype, shape):
       expected[index[i]] = new[i]
   (got,) = jax.jit(rows.write_rows)([jnp.asarray(leaf)], index, [jnp.asarray(new)], jnp.asarray(mask))
   np.testing.assert_array_equal(np.asarray(got), expected)
-  reference = jax.jit(rows._write_rows_reference)(leaf, index, mask, new)
+  (reference,) = jax.jit(rows._write_rows_reference)(index, mask, leaf, new)
   np.testing.assert_array_equal(np.asarray(reference), expected)
+  # several leaves in one call: each gets its own rows
+  other, other_rows = leaf[::-1].copy(), new[::-1].copy()
+  both = jax.jit(rows.write_rows)([jnp.asarray(leaf), jnp.asarray(other)], index, [new, other_rows], mask)
+  np.testing.assert_array_equal(np.asarray(both[0]), expected)
+  expected_other = other.copy()
+  for i in range(90):
+    if mask[i] and 0 <= index[i] < shape[0]:
+      expected_other[index[i]] = other_rows[i]
+  np.testing.assert_array_equal(np.asarray(both[1]), expected_other)
 
 
 @pytest.mark.skipif(not native.ENABLED, reason="kernels off")

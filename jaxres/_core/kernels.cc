@@ -941,24 +941,45 @@ ffi::Error ReadRows(ffi::AnyBuffer leaf, ffi::Buffer<ffi::S32> index, ffi::Resul
   return ffi::Error::Success();
 }
 
-// rows.write_rows: `leaf` with row i of `rows` written at index[i] where mask[i], in batch
-// order, so that of the rows naming one index the last wins; indices outside the leaf are
-// dropped. The leaf is updated in place (aliased).
-ffi::Error WriteRows(ffi::AnyBuffer leaf, ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::PRED> mask,
-                     ffi::AnyBuffer rows, ffi::Result<ffi::AnyBuffer> leaf_out) {
-  const int64_t bytes = RowBytes(leaf), count = leaf.dimensions()[0], n = index.element_count();
-  if (rows.size_bytes() != static_cast<size_t>(n * bytes) || mask.element_count() != static_cast<size_t>(n)) {
-    return ffi::Error::InvalidArgument("jaxres_write_rows: expected a row and a mask entry per index");
+// rows.write_rows: each leaf with row i of its `rows` written at index[i] where mask[i], in
+// batch order, so that of the rows naming one index the last wins; indices outside the leaves
+// are dropped. Arguments after the mask: the leaves, then as many row arrays [n, ...]; the
+// leaves are updated in place (aliased), one pass over the batch for all of them.
+ffi::Error WriteRows(ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::PRED> mask, ffi::RemainingArgs args,
+                     ffi::RemainingRets outputs) {
+  const int64_t num_leaves = outputs.size(), n = index.element_count();
+  if (args.size() != static_cast<size_t>(2 * num_leaves) || mask.element_count() != static_cast<size_t>(n)) {
+    return ffi::Error::InvalidArgument("jaxres_write_rows: expected a mask entry per index and rows per leaf");
   }
-  char* to = static_cast<char*>(leaf_out->untyped_data());
-  if (to != leaf.untyped_data()) std::memcpy(to, leaf.untyped_data(), leaf.size_bytes());
+  struct Column {
+    char* to;
+    const char* from;
+    int64_t bytes;
+  };
+  std::vector<Column> columns;
+  int64_t count = 0;
+  for (int64_t l = 0; l < num_leaves; ++l) {
+    auto leaf = args.get<ffi::AnyBuffer>(l), rows = args.get<ffi::AnyBuffer>(num_leaves + l);
+    auto out = outputs.get<ffi::AnyBuffer>(l);
+    if (!leaf || !rows || !out) return ffi::Error::InvalidArgument("jaxres_write_rows: bad leaf");
+    const int64_t bytes = RowBytes(*leaf);
+    if (rows->size_bytes() != static_cast<size_t>(n * bytes)) {
+      return ffi::Error::InvalidArgument("jaxres_write_rows: expected a row per index");
+    }
+    char* to = static_cast<char*>((*out)->untyped_data());
+    if (to != leaf->untyped_data()) std::memcpy(to, leaf->untyped_data(), leaf->size_bytes());
+    columns.push_back({to, static_cast<const char*>(rows->untyped_data()), bytes});
+    count = leaf->dimensions()[0];
+  }
   const int32_t* at = index.typed_data();
   const bool* write = mask.typed_data();
-  const char* from = static_cast<const char*>(rows.untyped_data());
   auto inside = [&](int64_t i) { return write[i] && at[i] >= 0 && at[i] < count; };
   for (int64_t i = 0; i < n; ++i) {
-    if (i + kAhead < n && inside(i + kAhead)) __builtin_prefetch(to + at[i + kAhead] * bytes, 1);
-    if (inside(i)) CopyRow(to + at[i] * bytes, from + i * bytes, bytes);
+    if (i + kAhead < n && inside(i + kAhead)) {
+      for (const Column& c : columns) __builtin_prefetch(c.to + at[i + kAhead] * c.bytes, 1);
+    }
+    if (!inside(i)) continue;
+    for (const Column& c : columns) CopyRow(c.to + at[i] * c.bytes, c.from + i * c.bytes, c.bytes);
   }
   return ffi::Error::Success();
 }
@@ -1006,16 +1027,22 @@ std::vector<int32_t> SortedRows(const int32_t* key, int64_t n) {
 // the sum of its rows of x as the same balanced tree over its rows in batch order.
 template <typename T>
 void GroupSumsOf(const int32_t* group, const T* x, int64_t n, int64_t width, int32_t* groups, T* sums) {
-  std::fill(groups, groups + n, -1);
-  std::fill(sums, sums + n * width, T(0));
   const std::vector<int32_t> rows = SortedRows(group, n);
   std::vector<T> partial;
   int64_t out = 0;
-  for (size_t begin = 0, end; begin < rows.size(); begin = end) {
+  for (size_t begin = 0, end; begin < rows.size(); begin = end, ++out) {
     for (end = begin + 1; end < rows.size() && group[rows[end]] == group[rows[begin]];) ++end;
     const int64_t length = end - begin;
+    groups[out] = group[rows[begin]];
+    T* sum = sums + out * width;
+    if (length == 1) {
+      std::memcpy(sum, x + rows[begin] * width, width * sizeof(T));
+      continue;
+    }
     partial.resize(length * width);
-    for (int64_t r = 0; r < length; ++r) std::memcpy(&partial[r * width], x + rows[begin + r] * width, width * sizeof(T));
+    for (int64_t r = 0; r < length; ++r) {
+      std::memcpy(&partial[r * width], x + rows[begin + r] * width, width * sizeof(T));
+    }
     for (int64_t step = 1; step < length; step *= 2) {
       for (int64_t r = 0; r + step < length; r += 2 * step) {
         T* into = &partial[r * width];
@@ -1023,10 +1050,10 @@ void GroupSumsOf(const int32_t* group, const T* x, int64_t n, int64_t width, int
         for (int64_t j = 0; j < width; ++j) into[j] = into[j] + other[j];
       }
     }
-    groups[out] = group[rows[begin]];
-    std::memcpy(sums + out * width, partial.data(), width * sizeof(T));
-    ++out;
+    std::memcpy(sum, partial.data(), width * sizeof(T));
   }
+  std::fill(groups + out, groups + n, -1);
+  std::fill(sums + out * width, sums + n * width, T(0));
 }
 
 ffi::Error GroupSums(ffi::Buffer<ffi::S32> group, ffi::AnyBuffer x, ffi::ResultBuffer<ffi::S32> groups,
@@ -1265,11 +1292,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresEvict, Evict,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresWriteRows, WriteRows,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresTakeRows, TakeRows,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::AnyBuffer>());

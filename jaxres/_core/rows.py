@@ -52,7 +52,7 @@ def write_rows(leaves, index, rows, mask) -> list:
   """``leaves`` with ``rows`` written at ``index`` where ``mask``, as if one row at a time in order.
 
   Of the rows naming one index the last wins; indices outside a leaf are
-  dropped. On CPU a kernel writes the rows in order (in place); elsewhere the
+  dropped. On CPU a kernel writes the rows of every leaf in order, in one pass (in place); elsewhere the
   last row of each index is found first (:func:`claims.first_per_slot`), so
   that one scatter with distinct indices does the writes.
 
@@ -64,17 +64,26 @@ def write_rows(leaves, index, rows, mask) -> list:
     [2.0, 0.0, 3.0]
   """
   index = jnp.asarray(index, jnp.int32)
-  out = []
-  for x, r in zip(leaves, rows):
-    results = (jax.ShapeDtypeStruct(x.shape, x.dtype),)
-    reference = lambda *args: (_write_rows_reference(*args),)
-    out.append(native.on_cpu("jaxres_write_rows", reference, results, x, index, mask, r, aliases={0: 0})[0])
-  return out
+  leaves, rows = list(leaves), list(rows)
+  if not leaves:
+    return []
+  results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves)
+  aliases = {2 + j: j for j in range(len(leaves))}
+  return list(
+    native.on_cpu(
+      "jaxres_write_rows", _write_rows_reference, results, index, mask, *leaves, *rows, aliases=aliases
+    )
+  )
 
 
-def _write_rows_reference(x, index, mask, rows):
+def _write_rows_reference(index, mask, *leaves_and_rows):
+  """The leaves (the first half of ``leaves_and_rows``) with their rows (the second half) written."""
+  half = len(leaves_and_rows) // 2
   last = claims.first_per_slot(index, mask, last=True) & (index >= 0)  # negative indices: dropped
-  return x.at[jnp.where(last, index, x.shape[0])].set(rows, mode="drop")
+  return tuple(
+    x.at[jnp.where(last, index, x.shape[0])].set(r, mode="drop")
+    for x, r in zip(leaves_and_rows[:half], leaves_and_rows[half:], strict=True)
+  )
 
 
 def select_rows(mask, on_true, on_false):
