@@ -121,6 +121,10 @@ _METHODS = {
   "find_rows": lambda t, k, v: (t, t.find_rows(k)),
   "find_or_insert_rows": lambda t, k, v: t.find_or_insert_rows(k),
   "read and write rows": lambda t, k, v: t.write_rows(t.find_rows(k), v),
+  "scores": lambda t, k, v: (t, t.scores(k)),
+  "export_batch": lambda t, k, v: (t, t.export_batch(k.shape[0], k.shape[0])),
+  "insert with valid": lambda t, k, v: t.insert(k, v, valid=jnp.arange(k.shape[0]) % 2 == 0),
+  "find with a default": lambda t, k, v: (t, t.find(k, default=jnp.full((4,), -1.0, jnp.float32))),
 }
 
 
@@ -141,7 +145,11 @@ def test_functional_methods_under_jit_with_the_table_donated(method):
   _check_methods(method, _tables())
 
 
-@pytest.mark.parametrize("method", ["insert", "find_or_insert_rows", "read and write rows"])
+@pytest.mark.parametrize(
+  "method",
+  ["insert", "find", "remove", "insert_or_apply add", "find_or_insert_rows", "read and write rows", "scores"]
+  + ["export_batch"],
+)
 def test_sharded_methods_under_jit_with_the_table_donated(method):
   _check_methods(method, _sharded_tables())
 

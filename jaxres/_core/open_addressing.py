@@ -253,6 +253,14 @@ class OpenAddressingTable(Storage):
     live = layout.occupancy(self.buckets[:, layout.mask_column]).reshape(-1)
     return layout.keys_of(self.buckets).reshape(-1, layout.num_words), live
 
+  def _slots_at(self, slot):
+    layout = self.layout
+    records = self.buckets[slot // layout.bucket_size]  # one record per slot
+    lane = (slot % layout.bucket_size)[:, None]
+    live = jnp.take_along_axis(layout.occupancy(records[:, layout.mask_column]), lane, axis=1)[:, 0]
+    words = jnp.take_along_axis(layout.keys_of(records), lane[:, :, None], axis=1)[:, 0]
+    return words, live
+
   # ---------------------------------------------------------- mutations
 
   def _upsert_rows(self, words, leaves, active, mode, given=None, weights=None):

@@ -386,20 +386,20 @@ class ShardedTable(Table):
     return self._with_shards(jax.vmap(lambda shard: shard._erase_rows(fn))(self.shards))
 
   def _slot_rows(self, offset, size):
-    words, live = jax.vmap(lambda shard: shard._slots())(self.shards)
-    scores = jax.vmap(lambda shard: shard._scores_by_slot())(self.shards)
-    total = words.shape[0] * words.shape[1]
+    per_shard = self.shards.num_slots
     index = offset + jnp.arange(size, dtype=jnp.int32)
-    inside = (index >= 0) & (index < total)
-    index = jnp.clip(index, 0, total - 1)
+    inside = (index >= 0) & (index < self.num_slots)
+    index = jnp.clip(index, 0, self.num_slots - 1)
+    shard, local = index // per_shard, index % per_shard
 
-    def flat(x):
-      return x.reshape(total, *x.shape[2:])[index]
+    def at(s):  # every shard's view of the slots (the slot numbers taken in each shard)
+      words, live = s._slots_at(local)
+      return words, live, s._scores_at(local), s._row_of(local)
 
-    shard, local = index // words.shape[1], index % words.shape[1]
-    rows = jax.vmap(lambda shard: shard._row_of(jnp.arange(shard.num_slots, dtype=jnp.int32)))(self.shards)
-    leaves = [v[shard, rows[shard, local]] for v in self.shards.values]
-    return flat(words), leaves, flat(scores), inside & flat(live)
+    words, live, scores, rows = jax.vmap(at)(self.shards)  # [shards, size, ...]
+    batch = jnp.arange(size)
+    leaves = [v[shard, rows[shard, batch]] for v in self.shards.values]
+    return words[shard, batch], leaves, scores[shard, batch], inside & live[shard, batch]
 
   def _remove_rows(self, words, active):
     def op(shard, words, active, rows):

@@ -78,8 +78,10 @@ class Storage(Table):
     return select_rows(found, self._read(slot), defaults), found
 
   def _score_rows(self, words):
+    if self.eviction is None:  # no scores kept: every key scores 0
+      return jnp.zeros(words.shape[0], jnp.uint32)
     found, slot = self._locate(words)
-    return jnp.where(found, self._scores_by_slot()[slot], jnp.uint32(0))
+    return jnp.where(found, self.slot_scores[slot], jnp.uint32(0))
 
   def _scores_by_slot(self) -> jax.Array:
     """uint32[num_slots]: each slot's score (zeros for a table without eviction)."""
@@ -169,11 +171,15 @@ class Storage(Table):
 
   def _slot_rows(self, offset, size: int):
     """``(words, leaves, scores, valid)`` of slots ``[offset, offset + size)`` (past the end: not valid)."""
-    words, live = self._slots()
     index = offset + jnp.arange(size, dtype=jnp.int32)
-    inside = (index >= 0) & (index < live.shape[0])
-    index = jnp.clip(index, 0, live.shape[0] - 1)
-    return words[index], self._read(index), self._scores_by_slot()[index], inside & live[index]
+    inside = (index >= 0) & (index < self.num_slots)
+    index = jnp.clip(index, 0, self.num_slots - 1)
+    words, live = self._slots_at(index)
+    return words, self._read(index), self._scores_at(index), inside & live
+
+  def _scores_at(self, slot: jax.Array) -> jax.Array:
+    """uint32[N]: the scores of the slots ``slot`` (zeros for a table without eviction)."""
+    return self.slot_scores[slot] if self.eviction is not None else jnp.zeros(slot.shape, jnp.uint32)
 
   def _write(self, slot, rows, mask) -> Storage:
     """Overwrites the values of existing entries at ``slot`` where ``mask``."""
@@ -212,6 +218,11 @@ class Storage(Table):
   @abc.abstractmethod
   def _slots(self) -> tuple[jax.Array, jax.Array]:
     """``(words[rows, W], live bool[rows])``: the key words in each slot and whether it holds an entry."""
+
+  def _slots_at(self, slot: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(words[N, W], live bool[N])`` of the slots ``slot`` alone (O(N), where :meth:`_slots` reads all)."""
+    words, live = self._slots()
+    return words[slot], live[slot]
 
 
 # Reductions whose result on integers does not depend on the order of the
