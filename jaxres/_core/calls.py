@@ -61,18 +61,25 @@ def prepare(
   size = max(_MIN_EAGER_ROWS, 1 << (n - 1).bit_length())
 
   def padded(x):
-    return x if size == n else jnp.pad(x, [(0, size - n)] + [(0, 0)] * (x.ndim - 1))
+    return _padded(x, size)
 
   # Always a mask, so padded and unpadded batches of one size share a compile.
-  active = jnp.arange(size) < n if active is None else padded(active)
+  active = np.arange(size) < n if active is None else padded(active)
   given = None if given is None else padded(given)
   return Rows(padded(words), [padded(x) for x in leaves], active, given, n, batch)
 
 
-def pad_to(x: jax.Array, rows: Rows) -> jax.Array:
+def _padded(x, size: int):
+  """``x`` (``[n, ...]``) with zero rows up to ``size``; host arrays stay on the host."""
+  extra = size - x.shape[0]
+  if not extra:
+    return x
+  return (jnp if isinstance(x, jax.Array) else np).pad(x, [(0, extra)] + [(0, 0)] * (x.ndim - 1))
+
+
+def pad_to(x, rows: Rows):
   """``x`` (``[n, ...]``) padded like the call's rows."""
-  extra = rows.words.shape[0] - x.shape[0]
-  return x if not extra else jnp.pad(x, [(0, extra)] + [(0, 0)] * (x.ndim - 1))
+  return _padded(x, rows.words.shape[0])
 
 
 def value_leaves(table, values, batch, name: str = "values") -> list:
@@ -131,7 +138,7 @@ def check_valid(valid, batch) -> jax.Array | None:
   """``valid`` as a flat mask (``None`` stays ``None``); ``ValueError`` unless it is ``bool[*batch]``."""
   if valid is None:
     return None
-  active = jnp.asarray(valid)
+  active = valid if isinstance(valid, jax.Array) else np.asarray(valid)
   if active.dtype != bool or active.shape != batch:
     raise ValueError(f"valid: expected bool{list(batch)}, got {active.dtype}{list(active.shape)}.")
   return active.reshape(-1)
@@ -156,7 +163,7 @@ def _given(table, scores, batch, names_keys: bool, explicit: bool) -> jax.Array 
       raise TypeError(f"scores: expected uint32 scores, got {scores.dtype}; cast with .astype(jnp.uint32).")
     array = scores
   else:
-    array = jnp.asarray(codec.host_integers(scores, np.dtype(np.uint32), "scores"))
+    array = codec.host_integers(scores, np.dtype(np.uint32), "scores")
   if array.shape != batch:
     raise ValueError(f"scores: expected shape {batch} (one per key), got {tuple(array.shape)}.")
   return array.reshape(-1)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,6 @@ from jaxres._core.hashing import hash_words
 
 KEY_DTYPES = (np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.int64), np.dtype(np.uint64))
 _SIGN_BIT = np.uint32(0x80000000)
-_LOW_MASK = np.uint64(0xFFFFFFFF)
 
 
 def x64_enabled() -> bool:
@@ -49,8 +49,9 @@ def _is_jax_array(x) -> bool:
 
 def split64_host(x: np.ndarray) -> np.ndarray:
   """NumPy int64/uint64 -> uint32[..., 2] (high, low) word pairs."""
-  u = np.asarray(x).astype(np.uint64, copy=False) if x.dtype.kind == "u" else x.view(np.uint64)
-  return np.stack([(u >> np.uint64(32)).astype(np.uint32), (u & _LOW_MASK).astype(np.uint32)], axis=-1)
+  u = np.ascontiguousarray(x, dtype=np.uint64 if x.dtype.kind == "u" else np.int64).view(np.uint32)
+  pairs = u.reshape(*x.shape, 2)
+  return pairs[..., ::-1] if sys.byteorder == "little" else pairs  # the high word first
 
 
 def join64_host(pairs: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -112,11 +113,11 @@ def host_integers(x, dtype: np.dtype, name: str) -> np.ndarray:
   return arr.astype(dtype)
 
 
-def _check_trailing(shape: tuple, trailing: tuple, name: str, what: str) -> tuple:
+def _check_trailing(shape: tuple, trailing: tuple, name: str, spec, what: str = "keys") -> tuple:
   k = len(trailing)
   if len(shape) < k or tuple(shape[len(shape) - k :]) != trailing:
     raise ValueError(
-      f"{name}: expected shape (*batch, {', '.join(map(str, trailing))}) for {what}, "
+      f"{name}: expected shape (*batch, {', '.join(map(str, trailing))}) for {spec} {what}, "
       f"got shape {tuple(shape)}."
     )
   return tuple(shape[: len(shape) - k])
@@ -181,8 +182,11 @@ class KeySpec:
     flip = np.asarray([_SIGN_BIT] + [0] * (self.words_per_element - 1), dtype=np.uint32)
     return words ^ flip
 
-  def encode(self, keys, name: str = "keys") -> tuple[jax.Array, tuple[int, ...]]:
+  def encode(self, keys, name: str = "keys") -> tuple[jax.Array | np.ndarray, tuple[int, ...]]:
     """User keys -> (uint32[*batch, num_words], batch_shape).
+
+    Host keys (NumPy, Python ints) give NumPy words, JAX arrays JAX words: an
+    eager call encodes on the host and hands the words to its jitted program.
 
     Raises:
       TypeError: the keys' dtype could silently change their value (floats,
@@ -197,6 +201,13 @@ class KeySpec:
     else:
       arr = host_integers(keys, self.dtype, name)
     return self._encode_host(arr, name)
+
+  def count(self, keys) -> int:
+    """How many keys ``keys`` holds, from its shape alone (:meth:`encode` checks them)."""
+    shape = np.shape(keys)
+    dtype = getattr(keys, "dtype", None)
+    trailing = len(self.shape) + (1 if dtype is not None and self._is_pairs(dtype, shape) else 0)
+    return math.prod(shape[: max(0, len(shape) - trailing)])
 
   def _is_pairs(self, dtype, shape) -> bool:
     return self.wide and dtype == np.uint32 and tuple(shape[-1:]) == (2,)
@@ -220,26 +231,26 @@ class KeySpec:
   def _encode_jax(self, keys, name):
     self._check_dtype(keys.dtype, keys.shape, name)
     if self._is_pairs(keys.dtype, keys.shape):
-      batch = _check_trailing(keys.shape, (*self.shape, 2), name, f"{self} word-pair keys")
+      batch = _check_trailing(keys.shape, (*self.shape, 2), name, self, "word-pair keys")
       words = self._flip(keys)
     elif self.wide:
-      batch = _check_trailing(keys.shape, self.shape, name, f"{self} keys")
+      batch = _check_trailing(keys.shape, self.shape, name, self)
       words = self._flip(split64_jax(keys))
     else:
-      batch = _check_trailing(keys.shape, self.shape, name, f"{self} keys")
+      batch = _check_trailing(keys.shape, self.shape, name, self)
       words = self._flip(jax.lax.bitcast_convert_type(keys.astype(self.dtype), jnp.uint32))
     return words.reshape((*batch, self.num_words)), batch
 
   def _encode_host(self, arr: np.ndarray, name):
     if self._is_pairs(arr.dtype, arr.shape):
-      batch = _check_trailing(arr.shape, (*self.shape, 2), name, f"{self} word-pair keys")
+      batch = _check_trailing(arr.shape, (*self.shape, 2), name, self, "word-pair keys")
       words = arr
     else:
-      batch = _check_trailing(arr.shape, self.shape, name, f"{self} keys")
+      batch = _check_trailing(arr.shape, self.shape, name, self)
       arr = arr.astype(self.dtype, copy=False)
       words = split64_host(arr) if self.wide else arr.view(np.uint32)
     words = self._flip_host(np.asarray(words, dtype=np.uint32))
-    return jnp.asarray(words.reshape((*batch, self.num_words))), batch
+    return words.reshape((*batch, self.num_words)), batch
 
   def hash(self, keys, seed: int = 0) -> jax.Array:
     """``uint32[*batch]``: a fixed hash of each key (see :func:`hashing.hash_words`)."""

@@ -201,7 +201,9 @@ class Table(abc.ABC):
   def _specs(cls, key, value, default):
     key_spec = codec.KeySpec.parse(key)
     value_spec = ValueSpec.parse(value)
-    default_leaves = tuple(value_spec.to_storage(value_spec.spread(default), (), "default", broadcast=True))
+    default_leaves = tuple(
+      jnp.asarray(x) for x in value_spec.to_storage(value_spec.spread(default), (), "default", broadcast=True)
+    )
     return key_spec, value_spec, default_leaves
 
   @property

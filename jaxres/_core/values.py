@@ -62,8 +62,8 @@ class LeafSpec:
     dtype = np.dtype(dtype)
     return dtype == self.dtype or dtype == _NARROWED.get(self.dtype, self.dtype)
 
-  def to_storage(self, x, batch: tuple[int, ...], name: str, broadcast: bool) -> jax.Array:
-    """One user leaf -> storage array of shape ``batch + storage_shape``.
+  def to_storage(self, x, batch: tuple[int, ...], name: str, broadcast: bool) -> jax.Array | np.ndarray:
+    """One user leaf -> storage array of shape ``batch + storage_shape`` (NumPy for host values).
 
     ``broadcast`` allows any shape that broadcasts (defaults); otherwise the
     leaf must have shape ``batch + shape`` exactly, or be a scalar.
@@ -78,7 +78,7 @@ class LeafSpec:
     if not (lead == target or lead == () or broadcast):
       raise ValueError(f"{name}: expected shape {target} ({self}), got {lead}.")
     try:
-      return jnp.broadcast_to(arr, batch + self.storage_shape)
+      return (jnp if isinstance(arr, jax.Array) else np).broadcast_to(arr, batch + self.storage_shape)
     except ValueError:
       raise ValueError(f"{name}: shape {lead} does not broadcast to {target} ({self}).") from None
 
@@ -92,7 +92,7 @@ class LeafSpec:
       raise TypeError(
         f"{name}: expected values of dtype {self.dtype}, got {src}; cast explicitly if intended."
       )
-    return jnp.asarray(arr).astype(self.storage_dtype)
+    return arr.astype(self.storage_dtype)
 
   def _wide_to_pairs(self, x, name):
     if isinstance(x, jax.Array):
@@ -107,13 +107,13 @@ class LeafSpec:
     if isinstance(x, (np.ndarray, np.generic)):
       arr = np.asarray(x)
       if arr.dtype == np.uint32 and arr.shape[-1:] == (2,):
-        return jnp.asarray(arr)
+        return arr
       if arr.dtype.kind not in "iu" or not np.can_cast(arr.dtype, self.dtype, "safe"):
         raise TypeError(f"{name}: expected {self.dtype} values, got {arr.dtype}.")
       arr = arr.astype(self.dtype)
     else:
       arr = codec.host_integers(x, self.dtype, name)
-    return jnp.asarray(codec.split64_host(arr))
+    return codec.split64_host(arr)
 
   def from_storage(self, x):
     return codec.decode_wide(x, self.dtype) if self.wide else x
@@ -164,8 +164,8 @@ class ValueSpec:
       raise TypeError(f"{name}: expected a pytree of structure {self.treedef}, got {treedef}.")
     return flat
 
-  def to_storage(self, values, batch, name: str, broadcast: bool = False) -> list[jax.Array]:
-    """A user value pytree -> flat list of storage arrays ``batch + storage_shape``."""
+  def to_storage(self, values, batch, name: str, broadcast: bool = False) -> list:
+    """A user value pytree -> flat storage arrays ``batch + storage_shape`` (NumPy for host values)."""
     flat = self._flatten(values, name)
     return [s.to_storage(x, batch, name, broadcast) for s, x in zip(self.leaves, flat)]
 

@@ -21,7 +21,8 @@ def _is_string_dtype(dtype) -> bool:
 
 
 def _is_string_rows(x, width: int) -> bool:
-  return isinstance(x, jax.Array) and x.dtype == jnp.uint32 and x.shape[-1:] == (width,)
+  """Whether ``x`` already holds encoded strings (``uint32[..., width]`` rows)."""
+  return isinstance(x, (jax.Array, np.ndarray)) and x.dtype == np.uint32 and x.shape[-1:] == (width,)
 
 
 class _Codec:
@@ -79,7 +80,7 @@ class KeyCodec(_Codec, _StringRows):
   def encode(self, keys):
     """User keys -> core keys (strings become word rows on the host)."""
     if self.is_string and not _is_string_rows(keys, self.width):
-      return jnp.asarray(strings.encode(keys, self.max_length, name="keys"))
+      return strings.encode(keys, self.max_length, name="keys")
     return keys
 
   def decode(self, keys):
@@ -138,7 +139,7 @@ class ValueCodec(_Codec, _StringRows):
 
   def encode(self, values, name: str = "values"):
     if self.is_string and not _is_string_rows(values, self.width):
-      return jnp.asarray(strings.encode(values, self.max_length, name=name))
+      return strings.encode(values, self.max_length, name=name)
     return values
 
   def decode(self, values):

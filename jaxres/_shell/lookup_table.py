@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Mapping
 
 import jax
@@ -22,6 +23,22 @@ from jaxres._shell.trackable import Commit, Trackable, redefines_protocol
 STORAGES = {"open_addressing": OpenAddressingTable, "sorted": SortedTable}
 _REPR_ENTRIES = 3
 _HTML_ENTRIES = 10
+
+
+class Known:
+  """What an eager update knows of the state it made: no key was lost, and at most
+  ``size_bound`` entries are live (``None``: not known).
+
+  It recognises that state by its first array (the state pytree itself is
+  rebuilt each time it is read), held by a weak reference.
+  """
+
+  def __init__(self, table, size_bound: int | None):
+    self._leaf = weakref.ref(jax.tree.leaves(table)[0])
+    self.size_bound = size_bound
+
+  def made(self, table) -> bool:
+    return self._leaf() is jax.tree.leaves(table)[0]
 
 
 class LookupTable(Resource):
@@ -123,9 +140,14 @@ class LookupTable(Resource):
     return self._replacing_state(self._empty(self._room_for(rows))._from_arrays(arrays))
 
   def _current(self):
-    """The state, after reporting keys lost inside jit (eager use only)."""
+    """The state, after reporting keys lost inside jit (eager use only).
+
+    A state this table's own eager update made lost nothing (eager calls grow
+    first): only a state from elsewhere (``nnx.jit``, an assignment, a
+    restore) is read back from the device to check.
+    """
     table = self.state
-    if codec.is_traced(table.dropped):
+    if codec.is_traced(table.dropped) or self._known(table) is not None:
       return table
     lost = int(table.dropped)
     if lost:
@@ -136,6 +158,20 @@ class LookupTable(Resource):
         "initial_capacity."
       )
     return table
+
+  def _known(self, table) -> Known | None:
+    """What this table's own last eager update knows of ``table``, if it made it."""
+    known = self._life().known
+    return known if known is not None and known.made(table) else None
+
+  def _updated(self, table, size_bound: int | None = None) -> None:
+    """Makes ``table``, the result of an eager update by this table's own method, the state.
+
+    ``size_bound``: at most this many entries (``None``: not known, the next
+    growth check reads the size).
+    """
+    self._replace_state(table)
+    self._life().known = Known(table, size_bound)
 
   def __getitem__(self, keys):
     """``table[keys]`` is ``table.find(keys)``."""

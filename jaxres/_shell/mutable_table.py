@@ -85,20 +85,26 @@ class MutableHashTable(LookupTable):
   def _create_resource(self):
     return self._empty(self._initial_capacity)
 
-  @staticmethod
-  def _with_room(table, keys):
-    """``table``, grown first when the keys of a call might not fit (eager, unbounded tables only).
+  def _with_room(self, table, keys) -> tuple:
+    """``(table, size_bound)``: ``table``, grown first when the keys of a call might not fit, and
+    the most entries it can hold after the call (eager, unbounded tables only; else ``None``).
 
     Growing before the call, not after a call that dropped keys, lets every
-    call donate the state: updates are made in place, O(batch).
+    call donate the state: updates are made in place, O(batch). The size is
+    read from the device only when the bound that the table's own updates
+    keep says the keys might not fit.
     """
     if table.eviction is not None or codec.is_traced(table.size):
-      return table
-    rows = math.prod(table.key_spec.encode(keys, "keys")[1])
-    size = int(table.size)
-    if size + rows <= table.capacity:
-      return table
-    return table.resize(max(2 * table.capacity, size + rows))
+      return table, None
+    rows = table.key_spec.count(keys)
+    known = self._known(table)
+    bound = known.size_bound if known is not None and known.size_bound is not None else None
+    if bound is None or bound + rows > table.capacity:
+      rows = math.prod(table.key_spec.encode(keys, "keys")[1])  # checked before the table can grow
+      bound = int(table.size)
+      if bound + rows > table.capacity:
+        table = table.resize(max(2 * table.capacity, bound + rows))
+    return table, bound + rows
 
   def insert(self, keys, values) -> None:
     """Inserts or assigns ``values`` for ``keys`` (the last duplicate wins).
@@ -109,7 +115,8 @@ class MutableHashTable(LookupTable):
     with self._life().lock:
       table = self._current()
       keys, values = self._key_codec.encode(keys), self._value_codec.encode(values)
-      self.state = self._with_room(table, keys).insert(keys, values, donate=True)
+      table, bound = self._with_room(table, keys)
+      self._updated(table.insert(keys, values, donate=True), bound)
 
   def find_or_insert(self, keys, values):
     """Values of ``keys``; keys not yet present are inserted with ``values`` first.
@@ -129,13 +136,17 @@ class MutableHashTable(LookupTable):
     with self._life().lock:
       table = self._current()
       keys, values = self._key_codec.encode(keys), self._value_codec.encode(values)
-      self.state, found = self._with_room(table, keys).find_or_insert(keys, values, donate=True)
+      table, bound = self._with_room(table, keys)
+      table, found = table.find_or_insert(keys, values, donate=True)
+      self._updated(table, bound)
       return self._value_codec.decode(found)
 
   def remove(self, keys) -> None:
     """Removes ``keys``; absent keys are ignored."""
     with self._life().lock:
-      self.state = self._current().remove(self._key_codec.encode(keys), donate=True)
+      table = self._current()
+      known = self._known(table)
+      self._updated(table.remove(self._key_codec.encode(keys), donate=True), known and known.size_bound)
 
   def import_(self, keys, values) -> None:
     """Replaces the contents with the given entries (growing as needed)."""

@@ -27,6 +27,7 @@ class _Lifecycle:
     self.created = created
     self.destroyed = False
     self.owner: int | None = None
+    self.known = None  # what the resource's own last update knows of the state it made (subclasses)
 
 
 # id(resource) -> its lifecycle. Kept out of the object's attributes: NNX keys
@@ -116,6 +117,11 @@ class Resource(Trackable, nnx.Module):
       self.state  # noqa: B018  (creates and initializes first)
       self._check_state(value)
       self._cell.set_value(self._place(value))
+
+  def _replace_state(self, value: Any) -> None:
+    """Makes ``value`` the state: the result of this resource's own update of its state (already
+    checked and placed), so none of the setter's checks run. Call it holding the lock."""
+    self._cell.set_value(value)
 
   def __setattr__(self, name: str, value: Any) -> None:
     # NNX vets attribute values before Python's descriptors run; `state` is
