@@ -93,10 +93,31 @@ def output(table, leaves, batch) -> Any:
 
 
 def defaults(table, default, batch) -> list:
-  """The default leaves for ``batch`` (the table's, or a per-call one)."""
+  """The default leaves for ``batch`` (the table's, or a per-call one), broadcast to it."""
   if default is None:
     return [jnp.broadcast_to(d, batch + d.shape) for d in table.default]
   return table.value_spec.to_storage(table.value_spec.spread(default), batch, "default", broadcast=True)
+
+
+def default_rows(table, default, batch) -> list:
+  """The default leaves of a read of ``batch``: one row (``[*shape]``) where every key reads the
+  same (the table's default, or a per-call one of one row), else one row per key (``[n, *shape]``).
+
+  A single row is never broadcast: a read of many wide rows would otherwise
+  fill a batch-sized array with copies of it first.
+  """
+  if default is None:
+    return list(table.default)
+  spec = table.value_spec
+  try:
+    return spec.to_storage(spec.spread(default), (), "default", broadcast=True)
+  except ValueError:  # one row per key
+    return [x.reshape((math.prod(batch), *x.shape[len(batch) :])) for x in defaults(table, default, batch)]
+
+
+def pad_rows(x, rows: Rows, row_ndim: int):
+  """A leaf of one row (``row_ndim`` dimensions) as is; one of a row per key padded like ``rows``."""
+  return x if x.ndim == row_ndim else pad_to(x, rows)
 
 
 def evicted(table, result, rows: Rows) -> Evicted:

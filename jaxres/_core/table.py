@@ -267,10 +267,13 @@ class Table(abc.ABC):
   def _lookup(self, keys, default):
     rows = calls.prepare(self, keys)
     batch = rows.batch
-    flat = [d.reshape((rows.n, *d.shape[len(batch) :])) for d in calls.defaults(self, default, batch)]
+    flat = calls.default_rows(self, default, batch)
+    shapes = [leaf.storage_shape for leaf in self.value_spec.leaves]
     if not rows.n:
-      return calls.output(self, flat, batch), jnp.zeros(batch, bool)
-    leaves, found = _jit_lookup(self, rows.words, [calls.pad_to(x, rows) for x in flat])
+      empty = [jnp.broadcast_to(x, (0, *shape)) for x, shape in zip(flat, shapes, strict=True)]
+      return calls.output(self, empty, batch), jnp.zeros(batch, bool)
+    flat = [calls.pad_rows(x, rows, len(shape)) for x, shape in zip(flat, shapes, strict=True)]
+    leaves, found = _jit_lookup(self, rows.words, flat)
     return calls.output(self, [x[: rows.n] for x in leaves], batch), found[: rows.n].reshape(batch)
 
   # ----------------------------------------------------------- mutations
