@@ -88,8 +88,20 @@ def value_leaves(table, values, batch, name: str = "values") -> list:
 
 
 def output(table, leaves, batch) -> Any:
-  """Flat storage leaves -> the value pytree with the caller's batch shape."""
-  return table.value_spec.from_storage([x.reshape(batch + x.shape[1:]) for x in leaves])
+  """Flat storage leaves (padded or not) -> the value pytree with the caller's batch shape."""
+  return table.value_spec.from_storage([unpadded(x, batch) for x in leaves])
+
+
+def unpadded(x, batch: tuple[int, ...]):
+  """A flat result ``[rows, ...]`` of a call of ``batch``: its first ``prod(batch)`` rows in that shape.
+
+  Eager slices and reshapes are calls of their own: made only where needed.
+  """
+  n = math.prod(batch)
+  if x.shape[0] != n:
+    x = x[:n]
+  shape = batch + x.shape[1:]
+  return x if x.shape == shape else x.reshape(shape)
 
 
 def defaults(table, default, batch) -> list:

@@ -255,14 +255,14 @@ class Table(abc.ABC):
     rows = calls.prepare(self, keys)
     if not rows.n:
       return jnp.zeros(rows.batch, bool)
-    return _jit_contains(self, rows.words)[: rows.n].reshape(rows.batch)
+    return calls.unpadded(_jit_contains(self, rows.words), rows.batch)
 
   def scores(self, keys) -> jax.Array:
     """``uint32[*batch]``: the score of each key (0 where missing, and in a table without eviction)."""
     rows = calls.prepare(self, keys)
     if not rows.n:
       return jnp.zeros(rows.batch, jnp.uint32)
-    return _jit_scores(self, rows.words)[: rows.n].reshape(rows.batch)
+    return calls.unpadded(_jit_scores(self, rows.words), rows.batch)
 
   def _lookup(self, keys, default):
     rows = calls.prepare(self, keys)
@@ -274,7 +274,7 @@ class Table(abc.ABC):
       return calls.output(self, empty, batch), jnp.zeros(batch, bool)
     flat = [calls.pad_rows(x, rows, len(shape)) for x, shape in zip(flat, shapes, strict=True)]
     leaves, found = _jit_lookup(self, rows.words, flat)
-    return calls.output(self, [x[: rows.n] for x in leaves], batch), found[: rows.n].reshape(batch)
+    return calls.output(self, leaves, batch), calls.unpadded(found, batch)
 
   # ----------------------------------------------------------- mutations
 
@@ -372,9 +372,8 @@ class Table(abc.ABC):
     )
     if mode == "insert":
       return table, None, evicted, rows
-    out = [x[: rows.n] for x in out]
     if valid is not None:
-      out = select_rows(rows.active[: rows.n], out, calls.defaults(table, None, (rows.n,)))
+      out = select_rows(rows.active, out, list(table.default))
     return table, calls.output(table, out, rows.batch), evicted, rows
 
   # -------------------------------------------------------- row handles
@@ -388,7 +387,7 @@ class Table(abc.ABC):
     rows = calls.prepare(self, keys)
     if not rows.n:
       return jnp.zeros(rows.batch, jnp.int32)
-    return _jit_find_rows(self, rows.words)[: rows.n].reshape(rows.batch)
+    return calls.unpadded(_jit_find_rows(self, rows.words), rows.batch)
 
   def find_or_insert_rows(
     self, keys, valid=None, scores=None, *, donate: bool = False
@@ -433,9 +432,9 @@ class Table(abc.ABC):
       self, rows.words, rows.active, rows.given, report=True, donate=donate
     )
     handles = RowHandles(
-      index[:n].reshape(batch),
-      found[:n].reshape(batch),
-      inserted[:n].reshape(batch),
+      calls.unpadded(index, batch),
+      calls.unpadded(found, batch),
+      calls.unpadded(inserted, batch),
       calls.evicted(table, evicted, rows),
     )
     return table, handles
@@ -451,7 +450,7 @@ class Table(abc.ABC):
       return calls.output(self, flat, batch)
     rows = calls.Rows(index[:, None], [], None, None, n, batch)
     leaves = _jit_read_rows(self, index, [calls.pad_to(x, rows) for x in flat])
-    return calls.output(self, [x[:n] for x in leaves], batch)
+    return calls.output(self, leaves, batch)
 
   def write_rows(self, index, values, valid=None, *, donate: bool = False) -> Table:
     """Writes ``values`` into rows ``index``; the last duplicate wins, ``-1`` and masked rows are skipped.
