@@ -145,11 +145,10 @@ def test_functional_methods_under_jit_with_the_table_donated(method):
   _check_methods(method, _tables())
 
 
-@pytest.mark.parametrize(
-  "method",
-  ["insert", "find", "remove", "insert_or_apply add", "find_or_insert_rows", "read and write rows", "scores"]
-  + ["export_batch"],
-)
+_SHARDED_METHODS = ["insert", "find", "remove", "insert_or_apply add", "find_or_insert_rows", "scores"]
+
+
+@pytest.mark.parametrize("method", [*_SHARDED_METHODS, "read and write rows", "export_batch"])
 def test_sharded_methods_under_jit_with_the_table_donated(method):
   _check_methods(method, _sharded_tables())
 
