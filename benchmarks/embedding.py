@@ -14,10 +14,12 @@
   steps of the same model with a ``jr.DynamicEmbedding`` and with a dense
   hashed embedding of equal capacity, both trained with Adam.
 
-The peers need their own packages: TF Recommenders-Addons pins TensorFlow
-2.16, so it gets an environment of its own (``--tfra-python``); PyTorch and
-TorchRec another (``--torch-python``); both default to this interpreter. A
-peer that cannot run shows why in the report. Options: ``--scale`` (1.0: the
+The peers need their own packages, never jaxres's: PyTorch and TorchRec come
+with the ``bench-torch`` extra (``pip install -e '.[bench,bench-torch]'``);
+TF Recommenders-Addons pins TensorFlow 2.16 and NumPy < 2, so it runs from an
+environment of its own (``benchmarks/tfra-requirements.txt``, passed as
+``--tfra-python``). ``--torch-python`` runs the PyTorch peers from another
+environment the same way. A peer that cannot run shows why in the report. Options: ``--scale`` (1.0: the
 sizes above; smaller for a quick run), ``--steps`` (timed steps per run),
 ``--runs``, ``--peers``, ``--out``.
 """
