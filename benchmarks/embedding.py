@@ -60,10 +60,10 @@ PEERS = {  # name -> (label, environment)
 }
 
 
-def measure(peer: str, python: str, stream: Path, capacities: list[int], warmup: int, steps: int) -> dict:
-  """One process of :mod:`benchmarks.step_peers`: ``{capacity: us}``, or ``{"error": why}``."""
+def measure(peer: str, python: str, stream: Path, capacity: int, warmup: int, steps: int) -> dict:
+  """One process of :mod:`benchmarks.step_peers` at one capacity: ``{capacity: us}`` or ``{"error": why}``."""
   command = [python, "-m", "benchmarks.step_peers", peer, "--stream", str(stream)]
-  command += ["--capacities", ",".join(map(str, capacities)), "--warmup", str(warmup), "--steps", str(steps)]
+  command += ["--capacities", str(capacity), "--warmup", str(warmup), "--steps", str(steps)]
   env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
   done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
   lines = done.stdout.strip().splitlines()
@@ -74,7 +74,12 @@ def measure(peer: str, python: str, stream: Path, capacities: list[int], warmup:
 
 
 def step_times(pythons: dict, peers: list[str], capacities: list[int], steps: int, runs: int) -> dict:
-  """``{peer: {capacity: us, "spread": {capacity: (lo, hi)}}}`` (or ``{"error": ...}``) over ``runs`` runs."""
+  """``{peer: {capacity: us, "spread": {capacity: (lo, hi)}}}`` (or ``{"error": ...}``) over ``runs`` runs.
+
+  Each peer measures each capacity in a process of its own, so that no table
+  of one capacity shares a process (its memory, its caches, a framework's
+  global state) with another.
+  """
   accesses = (WARMUP + steps) * IDS
   ids = zipf_stream(np.random.default_rng(0), accesses, 1_000_000, a=1.05).reshape(-1, IDS)
   results = [{} for _ in range(runs)]
@@ -83,7 +88,12 @@ def step_times(pythons: dict, peers: list[str], capacities: list[int], steps: in
     np.save(stream, ids)
     for r in range(runs):
       for peer in peers[r % len(peers) :] + peers[: r % len(peers)]:
-        results[r][peer] = measure(peer, pythons[PEERS[peer][1]], stream, capacities, WARMUP, steps)
+        figures = {}
+        for capacity in capacities:
+          figures.update(measure(peer, pythons[PEERS[peer][1]], stream, capacity, WARMUP, steps))
+          if "error" in figures:
+            break
+        results[r][peer] = figures
   combined = {}
   for peer in peers:
     errors = [run[peer]["error"] for run in results if "error" in run[peer]]
