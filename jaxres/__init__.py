@@ -8,6 +8,7 @@
 """
 
 from jaxres import keys as keys
+from jaxres import saved_model as saved_model
 from jaxres._core.eviction import LFU as LFU
 from jaxres._core.eviction import LRU as LRU
 from jaxres._core.eviction import CustomScore as CustomScore
@@ -61,5 +62,6 @@ __all__ = [
   "TextFileInitializer",
   "Trackable",
   "keys",
+  "saved_model",
 ]
 __version__ = "0.1.0"

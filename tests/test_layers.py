@@ -18,6 +18,8 @@ LAYERS = {
   "jaxres._tracking": 2,
   "jaxres._integrations": 3,
   "jaxres._nn": 3,
+  "jaxres._serving": 3,
+  "jaxres.saved_model": 4,
   "jaxres": 4,
   "jaxres.examples": 5,
   "jaxres.demo": 6,
@@ -28,10 +30,12 @@ CONFINED = {
     "jaxres._shell.resource",
     "jaxres._integrations.nnx",
     "jaxres._nn.embedding",
+    "jaxres._serving.served_state",
     "jaxres.examples",
     "jaxres.demo",
   },
   "orbax": {"jaxres._tracking.storage"},
+  "tensorflow": {"jaxres._serving.tf_savedmodel"},
 }
 
 

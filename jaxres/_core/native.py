@@ -15,7 +15,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from collections.abc import Callable
 
 import jax
@@ -34,6 +36,28 @@ if ENABLED:
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 
 
+_TRACING = threading.local()
+
+
+@contextlib.contextmanager
+def references():
+  """Traces the XLA references alone within the block: a program with no kernel in it (no custom
+  call), which any JAX process (or TensorFlow, through jax2tf) can run on any platform.
+
+  JAX's caches of traced functions are cleared on entry and on exit: a
+  function traced before with the kernels (or within the block without them)
+  would otherwise be reused as it was.
+  """
+  before = getattr(_TRACING, "references", False)
+  jax.clear_caches()
+  _TRACING.references = True
+  try:
+    yield
+  finally:
+    _TRACING.references = before
+    jax.clear_caches()
+
+
 def on_cpu(target: str, reference: Callable, results, *args, aliases=None, **attrs) -> tuple:
   """``reference(*args)`` (a tuple of arrays), computed by the kernel ``target`` on CPU.
 
@@ -41,7 +65,7 @@ def on_cpu(target: str, reference: Callable, results, *args, aliases=None, **att
   outputs; ``aliases``: ``{argument: result}`` pairs the kernel updates in
   place; ``attrs``: the kernel's static attributes.
   """
-  if not ENABLED:
+  if not ENABLED or getattr(_TRACING, "references", False):
     return tuple(reference(*args))
   call = jax.ffi.ffi_call(target, results, vmap_method="sequential", input_output_aliases=aliases)
   return lax.platform_dependent(*args, cpu=lambda *a: tuple(call(*a, **attrs)), default=reference)

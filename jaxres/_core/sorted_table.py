@@ -17,6 +17,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxres._core import batch as batch_lib
@@ -25,7 +26,7 @@ from jaxres._core.eviction import check_policy
 from jaxres._core.pytrees import pytree_dataclass, static_field
 from jaxres._core.rows import select_rows, take_rows
 from jaxres._core.storage import Storage, empty_fields
-from jaxres._core.table import check_capacity
+from jaxres._core.table import Table, check_capacity
 from jaxres._core.values import ValueSpec
 
 
@@ -227,6 +228,31 @@ def _merge(table: SortedTable, words, rows, fresh, position):
     count=count,
     values=tuple(moved(v, r) for v, r in zip(table.values, rows)),
   )
+
+
+def read_only(table: Table) -> SortedTable:
+  """The live entries of ``table`` (any storage, sharded or not) in the least room, to be read.
+
+  A sorted table of exactly those entries (its capacity their number, at
+  least 1), with the same keys, values and default, and no eviction policy,
+  scores or counters: what a served model reads. O(capacity), eager.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxres as jr
+    >>> t = jr.OpenAddressingTable.create(1024, key=jnp.int32, value=jnp.float32, default=-1.0)
+    >>> small = read_only(t.insert(jnp.array([7, 3]), jnp.array([0.5, 1.5])))
+    >>> small.capacity, small.find(jnp.array([3, 4])).tolist()
+    (2, [1.5, -1.0])
+  """
+  keys, values, valid = table.export()
+  live = np.asarray(jax.device_get(valid))
+  count = int(live.sum())  # live entries come first
+  default = tuple(jnp.asarray(jax.device_get(d)) for d in table.default)
+  empty = _empty(max(1, count), table.key_spec, table.value_spec, default)
+  if not count:
+    return empty
+  taken = jax.tree.map(lambda x: np.asarray(jax.device_get(x))[:count], (keys, values))
+  return empty.import_(*taken)
 
 
 def _empty(capacity, key_spec, value_spec, default):

@@ -99,6 +99,9 @@ class DynamicEmbedding(nnx.Module):
     rngs: ``nnx.Rngs``; its ``params`` stream gives the seed of new rows.
     mesh, axis: shard the table over this mesh axis (both or neither).
     admission_capacity: ids the admission count holds (default ``capacity``).
+    deterministic: inference mode (NNX's convention, as ``nnx.Dropout``:
+      ``model.eval()`` sets it, ``model.train()`` clears it): a lookup only
+      reads, and :meth:`apply_gradients` raises.
 
   Example:
     >>> import numpy as np, optax, jaxres as jr
@@ -129,6 +132,7 @@ class DynamicEmbedding(nnx.Module):
     mesh: Mesh | None = None,
     axis: str | None = None,
     admission_capacity: int | None = None,
+    deterministic: bool = False,
   ):
     capacity = check_capacity(capacity)
     features = check_int(features, "features", low=1)
@@ -142,6 +146,8 @@ class DynamicEmbedding(nnx.Module):
       raise TypeError(f"rngs: expected an nnx.Rngs, got {rngs!r}.")
     if (mesh is None) != (axis is None):
       raise ValueError("mesh, axis: give both to shard the table, or neither.")
+    if not isinstance(deterministic, bool):
+      raise TypeError(f"deterministic: expected a bool, got {deterministic!r}.")
     optimizer = RowOptimizer.wrap(optimizer, features)
     value = {"row": jax.ShapeDtypeStruct((features,), jnp.float32), "slots": optimizer.slots}
     default = jax.tree.map(lambda _: 0, value)
@@ -161,11 +167,18 @@ class DynamicEmbedding(nnx.Module):
     self.seed = EmbeddingState(jax.random.key_data(rngs.params()))
     self.counters = EmbeddingState(jnp.zeros((len(_STATS), 2), jnp.uint32))  # 64-bit: (high, low) words
     self.recent = RecentRows(None)
+    self.deterministic = deterministic
 
   def __call__(self, ids) -> jax.Array:
-    """``float32[*batch, features]``: the rows of ``ids``, new ids given rows (zeros where refused)."""
+    """``float32[*batch, features]``: the rows of ``ids``, new ids given rows (zeros where refused).
+
+    In inference mode (:attr:`deterministic`, set by ``model.eval()``) a pure
+    read: ids without a row read zeros and nothing in the module changes.
+    """
     table = self.table.get_value()
     words, batch = table.key_spec.encode(ids, "ids")
+    if self.deterministic:
+      return _read(table, words.reshape(-1, table.key_spec.num_words)).reshape(*batch, self.features)
     if not words.size:
       return jnp.zeros((*batch, self.features), jnp.float32)
     counts = None if self.counts is None else self.counts.get_value()
@@ -204,8 +217,13 @@ class DynamicEmbedding(nnx.Module):
 
     Raises:
       TypeError, ValueError: ids or gradients of the wrong dtype or shape
-        (the table is unchanged).
+        (the table is unchanged); ``ValueError`` in inference mode.
     """
+    if self.deterministic:
+      raise ValueError(
+        "apply_gradients: the embedding is in inference mode (deterministic=True), where nothing "
+        "changes it; call model.train() (or set deterministic=False) to train."
+      )
     table = self.table.get_value()
     words, batch = table.key_spec.encode(ids, "ids")
     grads = jnp.asarray(row_grads) if not isinstance(row_grads, jax.Array) else row_grads
@@ -326,6 +344,12 @@ def _embed(spec: _Spec, table: Table, counts, counters, seed, words):
   counters = _add64(counters, jnp.stack([admitted_ids, refused, evictions]))
   rows = jnp.where(present[:, None], values["row"], 0.0)
   return table, counts, counters, rows, (words, index, table.clock + jnp.uint32(0))
+
+
+@jax.jit
+def _read(table: Table, words) -> jax.Array:
+  """Inference: the rows of present ids, zeros elsewhere; only the rows are read (not their state)."""
+  return table.read_rows(table.find_rows(table.key_spec.decode(words)))["row"]
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("table",))

@@ -60,6 +60,28 @@ class _StringRows:
       return rows
     return strings.encode(strings.decode(rows), self.max_length, name=name)
 
+  def _rows(self, x, name: str):
+    """Strings (on the host), or encoded rows (``uint32[..., width]``, also inside ``jit``), as rows
+    of this codec's width. Rows of a shorter maximum length are widened (zero words before their
+    length word), exactly as encoding their strings again would.
+
+    Raises:
+      ValueError: rows wider than this codec's (their strings could be too long).
+    """
+    if _is_string_rows(x, self.width):
+      return x
+    if isinstance(x, jax.Array) or (isinstance(x, np.ndarray) and x.dtype == np.uint32):
+      if x.dtype != np.uint32 or x.ndim < 1 or x.shape[-1] > self.width:
+        raise ValueError(
+          f"{name}: string {name} inside jit are uint32 rows of jr.keys.encode_strings(..., max_length) "
+          f"with max_length <= {self.max_length} (rows of width <= {self.width}); "
+          f"got {x.dtype}{list(x.shape)}."
+        )
+      lib = jnp if isinstance(x, jax.Array) else np
+      pad = lib.zeros((*x.shape[:-1], self.width - x.shape[-1]), np.uint32)
+      return lib.concatenate([x[..., :-1], pad, x[..., -1:]], axis=-1)
+    return strings.encode(x, self.max_length, name=name)
+
 
 class KeyCodec(_Codec, _StringRows):
   """Keys of a stateful table: an integer dtype or spec (composite keys), or ``str``."""
@@ -79,9 +101,7 @@ class KeyCodec(_Codec, _StringRows):
 
   def encode(self, keys):
     """User keys -> core keys (strings become word rows on the host)."""
-    if self.is_string and not _is_string_rows(keys, self.width):
-      return strings.encode(keys, self.max_length, name="keys")
-    return keys
+    return self._rows(keys, "keys") if self.is_string else keys
 
   def decode(self, keys):
     return strings.decode(keys) if self.is_string else keys
@@ -138,9 +158,7 @@ class ValueCodec(_Codec, _StringRows):
     self.config = (self.name, str(self.spec), _fingerprint(default_value))
 
   def encode(self, values, name: str = "values"):
-    if self.is_string and not _is_string_rows(values, self.width):
-      return strings.encode(values, self.max_length, name=name)
-    return values
+    return self._rows(values, name) if self.is_string else values
 
   def decode(self, values):
     return strings.decode(values) if self.is_string and not codec.is_traced(values) else values

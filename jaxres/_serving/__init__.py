@@ -1,0 +1,1 @@
+"""Serving: saved models of trained objects (``jr.saved_model``)."""

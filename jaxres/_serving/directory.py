@@ -1,0 +1,134 @@
+"""The export directory of ``jr.saved_model`` (format ``"jaxres"``), written and read back.
+
+::
+
+  saved_model.json      what the directory holds: the signatures (inputs, outputs, which
+                        state arrays each program takes), the state arrays (dtype, shape,
+                        CRC-32), the platforms, the format version
+  programs/<i>.jaxexport  each signature's serialized ``jax.export`` program
+  state/<i>.npy         the serving state: the arrays the programs read
+  variables/            a full ``jr.Checkpoint`` of the object (children: ``model``)
+
+A directory is written under a temporary name beside ``path`` and renamed
+into place, so an interrupted save leaves nothing at ``path``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import zlib
+from pathlib import Path
+
+import jax
+import numpy as np
+
+FORMAT = "jaxres.saved_model"
+VERSION = 1
+MANIFEST = "saved_model.json"
+
+
+def write(path: Path, manifest: dict, programs: list[bytes], state: list[np.ndarray], fill) -> None:
+  """Writes the directory at ``path``; ``fill(staged)`` adds to it first (see :func:`replace`)."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  staged = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+  try:
+    (staged / "programs").mkdir()
+    (staged / "state").mkdir()
+    for i, blob in enumerate(programs):
+      (staged / "programs" / f"{i}.jaxexport").write_bytes(blob)
+    described = []
+    for i, array in enumerate(state):
+      np.save(staged / "state" / f"{i}.npy", array, allow_pickle=False)
+      described.append(
+        {"dtype": array.dtype.name, "shape": list(array.shape), "crc32": zlib.crc32(array.tobytes())}
+      )
+    fill(staged)
+    text = json.dumps({"format": FORMAT, "version": VERSION, **manifest, "state": described}, indent=1)
+    (staged / MANIFEST).write_text(text)
+    replace(staged, path)
+  except BaseException:
+    shutil.rmtree(staged, ignore_errors=True)
+    raise
+
+
+def check_target(path) -> Path:
+  """``path`` as a ``Path`` a saved model may be written to: new, empty, or an earlier saved model.
+
+  Raises:
+    TypeError: ``path`` is not a string or path.
+    ValueError: it names a file, or a directory holding something else.
+  """
+  if not isinstance(path, (str, os.PathLike)):
+    raise TypeError(f"path: expected a directory path, got {type(path).__name__}.")
+  path = Path(path)
+  if path.exists() and not path.is_dir():
+    raise ValueError(f"path: {path} is a file; expected a directory to write the saved model to.")
+  if path.is_dir() and any(path.iterdir()) and not _is_saved_model(path):
+    raise ValueError(
+      f"path: {path} holds files that are not a saved model; choose an empty or new directory."
+    )
+  return path
+
+
+def _is_saved_model(path: Path) -> bool:
+  return (path / MANIFEST).is_file() or (path / "saved_model.pb").is_file()
+
+
+def replace(staged: Path, path: Path) -> None:
+  """Moves the finished directory ``staged`` to ``path``, replacing an earlier saved model there."""
+  if path.exists():
+    old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
+    os.replace(path, old / "model")
+    os.replace(staged, path)
+    shutil.rmtree(old, ignore_errors=True)
+  else:
+    os.replace(staged, path)
+
+
+def read(path: Path) -> tuple[dict, list[bytes], list[np.ndarray]]:
+  """``(manifest, programs, state)`` of the directory at ``path``.
+
+  Raises:
+    ValueError: naming ``path``: not a jaxres export, a newer format version,
+      or a damaged file (missing, unreadable, or not the bytes it was saved as).
+  """
+  file = path / MANIFEST
+  if not file.is_file():
+    raise ValueError(f"{path}: not a jaxres saved model (no {MANIFEST}).")
+  try:
+    manifest = json.loads(file.read_text())
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+    raise ValueError(f"{path}: corrupted {MANIFEST} ({err}).") from None
+  if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    raise ValueError(f"{path}: {MANIFEST} does not describe a jaxres saved model.")
+  if manifest.get("version") != VERSION:
+    raise ValueError(
+      f"{path}: saved model format version {manifest.get('version')!r}; this jaxres reads version {VERSION}."
+    )
+  try:
+    programs = [
+      (path / "programs" / f"{i}.jaxexport").read_bytes() for i in range(len(manifest["signatures"]))
+    ]
+    state = [_array(path / "state" / f"{i}.npy", entry) for i, entry in enumerate(manifest["state"])]
+  except (OSError, KeyError, TypeError, ValueError) as err:
+    raise ValueError(f"{path}: corrupted saved model ({err}).") from None
+  return manifest, programs, state
+
+
+def _array(file: Path, entry: dict) -> np.ndarray:
+  array = np.load(file, allow_pickle=False)
+  if array.dtype.name != entry["dtype"] or list(array.shape) != entry["shape"]:
+    raise ValueError(
+      f"{file.name} holds {array.dtype}{list(array.shape)}, saved as {entry['dtype']}{entry['shape']}"
+    )
+  if zlib.crc32(array.tobytes()) != entry["crc32"]:
+    raise ValueError(f"{file.name} is not the array saved (CRC-32 differs)")
+  return array
+
+
+def host(arrays) -> list[np.ndarray]:
+  """Device arrays as host NumPy arrays (gathered from every device they are split over)."""
+  return [np.asarray(jax.device_get(x)) for x in arrays]

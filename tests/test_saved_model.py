@@ -1,0 +1,314 @@
+"""jr.saved_model: exported signatures served in fresh processes without the model's code; inference mode.
+
+Each served program runs in a child process that cannot import this module
+(where the models are defined): its outputs must equal, bit for bit, those of
+the original function on the original object in inference mode.
+"""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from oracle import mesh_of
+
+import jaxres as jr
+
+FEATURES = 4
+ADAM = optax.adam(0.05)
+IDS = jax.ShapeDtypeStruct(("batch", 2), jnp.int64)
+BLOCKER = """
+import importlib.abc, sys
+class _Refuse(importlib.abc.MetaPathFinder):
+  def __init__(self, names): self.names = names
+  def find_spec(self, name, path=None, target=None):
+    if name.split(".")[0] in self.names:
+      raise ImportError(f"{name} is blocked in this process")
+    return None
+sys.meta_path.insert(0, _Refuse(set(sys.argv[1].split(","))))
+"""
+SERVE_JAXRES = (
+  BLOCKER
+  + """
+import numpy as np, jaxres as jr
+served = jr.saved_model.load(sys.argv[2])
+inputs = dict(np.load(sys.argv[3], allow_pickle=False))
+inputs = {k: (v.astype(object) if v.dtype.kind == "U" else v) for k, v in inputs.items()}
+out = served.signatures[sys.argv[5]](**inputs)
+np.savez(sys.argv[4], **{k: np.asarray(v) for k, v in out.items()})
+"""
+)
+SERVE_TF = (
+  BLOCKER
+  + """
+import numpy as np, tensorflow as tf
+loaded = tf.saved_model.load(sys.argv[2])
+inputs = {k: tf.constant(v) for k, v in dict(np.load(sys.argv[3], allow_pickle=False)).items()}
+out = loaded.signatures[sys.argv[5]](**inputs)
+np.savez(sys.argv[4], **{k: v.numpy() for k, v in out.items()})
+"""
+)
+
+
+class Model(nnx.Module):
+  def __init__(self, capacity=256, **options):
+    self.emb = jr.DynamicEmbedding(
+      capacity, FEATURES, optimizer=ADAM, eviction=jr.LRU(), rngs=nnx.Rngs(0), **options
+    )
+    self.head = nnx.Linear(2 * FEATURES, 1, rngs=nnx.Rngs(1))
+
+  def __call__(self, ids):
+    rows = self.emb(ids)
+    return self.head(rows.reshape(*rows.shape[:-2], -1))[..., 0]
+
+
+@functools.partial(nnx.jit, donate_argnums=(0, 1))
+def _train_step(model, optimizer, ids, labels):
+  rows = model.emb(ids)
+
+  def loss_fn(model, rows):
+    return jnp.mean((model.head(rows.reshape(rows.shape[0], -1))[:, 0] - labels) ** 2)
+
+  loss, (grads, row_grads) = nnx.value_and_grad(loss_fn, argnums=(0, 1))(model, rows)
+  optimizer.update(model, grads)
+  model.emb.apply_gradients(ids, row_grads)
+  return loss
+
+
+def _pool(n=300):
+  return (np.arange(n, dtype=np.int64) * 7919 + 2**40) * np.where(np.arange(n) % 2, 1, -1)
+
+
+def _trained(model=None, steps=6, seed=0):
+  model = Model() if model is None else model
+  optimizer = nnx.Optimizer(model, ADAM, wrt=nnx.Param)
+  rng = np.random.default_rng(seed)
+  for _ in range(steps):
+    ids = rng.choice(_pool(), (32, 2))
+    _train_step(model, optimizer, jr.keys.split64(ids), jnp.asarray(rng.normal(size=32), jnp.float32))
+  return model
+
+
+def predict(model, ids):
+  return {"score": nnx.sigmoid(model(ids)), "rows": model.emb(ids)}
+
+
+def _serve(path, name, inputs, tmp_path, script=SERVE_JAXRES, block=(__name__, "oracle")):
+  """Runs signature ``name`` of the saved model at ``path`` in a fresh process; its outputs."""
+  data, out = tmp_path / "inputs.npz", tmp_path / "outputs.npz"
+  np.savez(data, **inputs)
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  command = [sys.executable, "-c", script, ",".join(block), str(path), str(data), str(out), name]
+  done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return dict(np.load(out))
+
+
+def _same_bits(a, b):
+  a, b = np.asarray(a), np.asarray(b)
+  assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
+  assert a.tobytes() == b.tobytes()
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+  model = _trained()
+  path = tmp_path_factory.mktemp("export") / "model"
+  jr.saved_model.save(model, path, {"serving_default": jr.saved_model.Signature(predict, ids=IDS)})
+  return model, path
+
+
+def test_inference_mode_changes_nothing():
+  model = _trained(Model(capacity=16, min_count=2))
+  before = [np.asarray(x).copy() for x in jax.tree.leaves(nnx.state(model))]
+  stats = model.emb.stats()
+  model.eval()
+  assert model.emb.deterministic
+  unseen = np.arange(10, 40, dtype=np.int64).reshape(-1, 2)
+  rows = model.emb(unseen)
+  assert not np.asarray(rows).any()  # ids without a row read zeros
+  nnx.jit(lambda m, ids: m(ids))(model, jr.keys.split64(np.concatenate([unseen, _pool()[:8].reshape(-1, 2)])))
+  after = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model))]
+  assert all(a.tobytes() == b.tobytes() for a, b in zip(before, after))
+  assert model.emb.stats() == stats
+  with pytest.raises(ValueError, match="inference mode"):
+    model.emb.apply_gradients(unseen, np.ones((*unseen.shape, FEATURES), np.float32))
+  model.train()
+  assert not model.emb.deterministic
+  model.emb(unseen)
+  assert model.emb.stats() != stats  # training mode inserts again
+
+
+def test_served_outputs_equal_the_function_bitwise(exported, tmp_path):
+  model, path = exported
+  served = jr.saved_model.load(path)
+  assert served.signatures["serving_default"].inputs == {"ids": IDS}
+  model.eval()
+  rng = np.random.default_rng(1)
+  for batch in (1, 7, 4096):
+    ids = np.where(
+      rng.random((batch, 2)) < 0.7, rng.choice(_pool(), (batch, 2)), rng.integers(-(2**62), 2**62, (batch, 2))
+    )
+    expected = nnx.jit(predict)(model, jr.keys.split64(ids))
+    for got in (
+      served.signatures["serving_default"](ids=ids),
+      _serve(path, "serving_default", {"ids": ids}, tmp_path),
+    ):
+      assert sorted(got) == ["rows", "score"]
+      for name in got:
+        _same_bits(got[name], expected[name])
+  assert np.asarray(expected["rows"]).any() and np.abs(ids).max() > 2**32
+  model.train()
+
+
+def test_the_serving_state_holds_rows_only(exported):
+  model, path = exported
+  manifest = json.loads((path / "saved_model.json").read_text())
+  live = model.emb.size()
+  shapes = [tuple(entry["shape"]) for entry in manifest["state"]]
+  assert (live, FEATURES) in shapes  # the rows of the live ids, exactly
+  wide = [s for s in shapes if len(s) == 2 and s[1] == FEATURES]
+  assert wide == [(live, FEATURES)]  # no optimizer slots (mu, nu)
+  state_bytes = sum((path / "state" / f"{i}.npy").stat().st_size for i in range(len(shapes)))
+  checkpoint_bytes = sum(f.stat().st_size for f in (path / "variables").rglob("*") if f.is_file())
+  assert state_bytes < checkpoint_bytes / 2
+
+
+def test_variables_are_the_training_checkpoint(exported):
+  model, path = exported
+  fresh = Model()
+  jr.Checkpoint(model=fresh).restore(path / "variables").assert_consumed()
+  _same_bits(fresh.emb.export()[1], model.emb.export()[1])
+
+
+def test_strings_in_and_int64_out(tmp_path):
+  words = ["apple", "banana", "kiwi", "mango", "fig"]
+  vocab = jr.StaticVocabularyTable(jr.KeyValueInitializer(words, np.arange(5, dtype=np.int64) + 2**40), 3)
+  spec = jax.ShapeDtypeStruct(("n",), str)
+  sig = jr.saved_model.Signature(lambda v, word: {"id": v.find(word)}, word=spec)
+  jr.saved_model.save(vocab, tmp_path / "vocab", {"ids": sig})
+  queries = np.array(["kiwi", "zzz", "apple", "Äpfel"])
+  got = _serve(tmp_path / "vocab", "ids", {"word": queries}, tmp_path)["id"]
+  expected = jax.jit(lambda w: vocab.find(w))(jr.keys.encode_strings(queries.tolist(), 64))
+  _same_bits(got, expected)
+  assert jr.keys.join64(got, np.int64).tolist()[0] == 2**40 + 2
+  loaded = jr.saved_model.load(tmp_path / "vocab").signatures["ids"]
+  with pytest.raises(TypeError, match="word"):
+    loaded(word=np.array([1, 2]))
+  with pytest.raises(ValueError, match="word"):
+    loaded(word=np.array(["x" * 65]))
+
+
+def test_a_sharded_table_is_served_unsharded(tmp_path):
+  mesh = mesh_of(4)
+  model = _trained(Model(capacity=256, mesh=mesh, axis="shard"))
+  jr.saved_model.save(model, tmp_path / "m", {"serving_default": jr.saved_model.Signature(predict, ids=IDS)})
+  ids = _pool()[:14].reshape(7, 2)
+  model.eval()
+  expected = jax.device_get(nnx.jit(predict)(model, jr.keys.split64(ids)))
+  got = _serve(tmp_path / "m", "serving_default", {"ids": ids}, tmp_path)
+  np.testing.assert_allclose(got["rows"], expected["rows"], rtol=0, atol=0)
+  np.testing.assert_allclose(got["score"], expected["score"], rtol=1e-6)
+
+
+def test_bad_signatures_are_refused_and_nothing_is_written(tmp_path):
+  table = jr.MutableHashTable(np.int64, np.float32, default_value=-1.0)
+  table.insert(np.array([1, 2]), np.ones(2, np.float32))
+  spec = jax.ShapeDtypeStruct(("batch",), jnp.int64)
+
+  def writes(t, ids):
+    t.insert(ids, jnp.ones(ids.shape[:-1], jnp.float32))
+    return t.find(ids)
+
+  with pytest.raises(ValueError, match=r"'grow'.*changes"):
+    jr.saved_model.save(table, tmp_path / "w", {"grow": jr.saved_model.Signature(writes, ids=spec)})
+  with pytest.raises(TypeError, match="'text'"):
+    jr.saved_model.save(
+      table, tmp_path / "w", {"text": jr.saved_model.Signature(lambda t, ids: "no", ids=spec)}
+    )
+  with pytest.raises(TypeError, match="signatures"):
+    jr.saved_model.save(table, tmp_path / "w", {"f": lambda t: t})
+  with pytest.raises(TypeError, match="ids"):
+    jr.saved_model.Signature(lambda t, ids: ids, ids=(3,))
+  with pytest.raises(ValueError, match="platforms"):
+    jr.saved_model.save(
+      table, tmp_path / "w", {"f": jr.saved_model.Signature(lambda t, i: i, i=spec)}, platforms=("gpu9",)
+    )
+  with pytest.raises(ValueError, match="format"):
+    jr.saved_model.save(
+      table, tmp_path / "w", {"f": jr.saved_model.Signature(lambda t, i: i, i=spec)}, format="onnx"
+    )
+  assert not (tmp_path / "w").exists() and len(table) == 2
+
+
+def test_damaged_or_foreign_directories_are_refused(exported, tmp_path):
+  _, path = exported
+  with pytest.raises(ValueError, match="not a jaxres saved model"):
+    jr.saved_model.load(tmp_path)
+  copies = {}
+  for damage in ("manifest", "foreign", "version", "state bytes", "program"):
+    copy = tmp_path / damage.replace(" ", "_")
+    subprocess.run(["cp", "-r", str(path), str(copy)], check=True)
+    copies[damage] = copy
+  (copies["manifest"] / "saved_model.json").write_text("{not json")
+  manifest = json.loads((path / "saved_model.json").read_text())
+  (copies["foreign"] / "saved_model.json").write_text(json.dumps({**manifest, "format": "other"}))
+  (copies["version"] / "saved_model.json").write_text(json.dumps({**manifest, "version": 99}))
+  state = copies["state bytes"] / "state" / "0.npy"
+  data = bytearray(state.read_bytes())
+  data[-1] ^= 0xFF
+  state.write_bytes(bytes(data))
+  (copies["program"] / "programs" / "0.jaxexport").unlink()
+  for copy in copies.values():
+    with pytest.raises(ValueError, match=str(copy)):
+      jr.saved_model.load(copy)
+
+
+def test_the_tensorflow_savedmodel_serves_without_jax(exported, tmp_path):
+  pytest.importorskip("tensorflow")
+  model, _ = exported
+  path = tmp_path / "tf"
+  jr.saved_model.save(
+    model, path, {"serving_default": jr.saved_model.Signature(predict, ids=IDS)}, format="tf"
+  )
+  ids = np.concatenate([_pool()[:10], np.array([3, 2**45])]).reshape(6, 2)
+  model.eval()
+  expected = jax.device_get(nnx.jit(predict)(model, jr.keys.split64(ids)))
+  got = _serve(
+    path, "serving_default", {"ids": ids}, tmp_path, SERVE_TF, ("jax", "jaxlib", "jaxres", __name__)
+  )
+  for name in ("rows", "score"):
+    _same_bits(got[name], expected[name])
+  model.train()
+  words = ["apple", "banana"]
+  vocab = jr.StaticVocabularyTable(jr.KeyValueInitializer(words, np.array([4, 2**40], np.int64)), 2)
+  sig = jr.saved_model.Signature(
+    lambda v, w: {"id": v.find(w)}, max_length=16, w=jax.ShapeDtypeStruct(("n",), str)
+  )
+  jr.saved_model.save(vocab, tmp_path / "tfv", {"ids": sig}, format="tf")
+  queries = np.array(["banana", "zz", "apple"])
+  got = _serve(tmp_path / "tfv", "ids", {"w": queries}, tmp_path, SERVE_TF, ("jax", "jaxlib", "jaxres"))["id"]
+  expected = jax.jit(vocab.find)(jr.keys.encode_strings(queries.tolist(), 16))
+  _same_bits(got, expected)
+
+
+def test_the_loaded_signature_checks_its_inputs(exported):
+  _, path = exported
+  sig = jr.saved_model.load(path).signatures["serving_default"]
+  with pytest.raises(TypeError, match="missing"):
+    sig()
+  with pytest.raises(TypeError, match="unknown"):
+    sig(ids=np.zeros((1, 2), np.int64), other=1)
+  with pytest.raises(TypeError, match="ids"):
+    sig(ids=np.zeros((1, 2), np.float32))
+  with pytest.raises(ValueError, match="ids"):
+    sig(ids=np.zeros((1, 3), np.int64))
+  assert sig(ids=np.zeros((0, 2), np.int64))["score"].shape == (0,)
+  assert repr(sig).startswith("LoadedSignature('serving_default'")
