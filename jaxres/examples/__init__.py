@@ -5,9 +5,12 @@
 - :func:`train_step`, :class:`Run`: the jitted step (dense Adam for the
   layers, row-wise Adam for the embedding), and runs that checkpoint every
   few steps and resume exactly, with deferred restore.
+- :func:`evaluate`, :func:`export`, :func:`predict`: the loss in inference
+  mode (nothing changes), and the model exported with ``jr.saved_model``.
 """
 
 from jaxres.examples.clicks import ClickBatch, ClickModel, ClickStream
+from jaxres.examples.serving import evaluate, export, predict
 from jaxres.examples.training import Run, RunConfig, loss_fn, train_step
 
 __all__ = [
@@ -16,6 +19,9 @@ __all__ = [
   "ClickStream",
   "Run",
   "RunConfig",
+  "evaluate",
+  "export",
   "loss_fn",
+  "predict",
   "train_step",
 ]
