@@ -82,6 +82,23 @@ def _assert_same(kernel, reference):
 
 
 @pytest.mark.skipif(not native.ENABLED, reason="kernels off")
+def test_batches_split_over_the_thread_pool_cover_every_row():
+  """A batch over several kernel threads whose size they do not divide (3 * 8192 + 7 rows): every
+  row is located, looked up and placed as its reference does. (The last rows of such a batch were
+  once left to none of the threads.)"""
+  n = 3 * 8192 + 7
+  rng = np.random.default_rng(11)
+  table = jr.OpenAddressingTable.create(2 * n, key=jnp.int64, value=jnp.float32)
+  words = jnp.asarray(rng.integers(0, 2**32, (n, 2), dtype=np.uint32))
+  active = jnp.ones(n, bool)
+  kernel, reference = _upsert(table, words, active, False), _upsert(table, words, active, True)
+  _assert_same(kernel, reference)
+  full = _insert_words(table, words)
+  _assert_same(_locate(full, words, False), _locate(full, words, True))
+  assert bool(jnp.all(_locate(full, words, False)[0]))
+
+
+@pytest.mark.skipif(not native.ENABLED, reason="kernels off")
 @settings(max_examples=25, deadline=None)
 @given(
   num_words=st.sampled_from([1, 2, 3]),

@@ -62,7 +62,7 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t grain, int64_t align,
     body(int64_t{0}, n);
     return;
   }
-  const int64_t step = (n / ranges + align - 1) / align * align;
+  const int64_t step = ((n + ranges - 1) / ranges + align - 1) / align * align;  // ranges * step >= n
   struct Progress {
     std::atomic<int64_t> next{0};
     int64_t done = 0;
