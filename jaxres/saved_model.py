@@ -45,8 +45,10 @@ def save(obj, path, signatures, *, platforms=("cpu", "cuda"), format: str = "jax
   """Exports ``obj`` with its ``signatures`` to the directory ``path``.
 
   Args:
-    obj: an NNX object (a model, a jaxres table or embedding) or a pytree of
-      them; each signature reads it in inference mode (``eval()``).
+    obj: what ``jr.Checkpoint`` saves: an NNX object (a model, a jaxres
+      table or embedding), a ``jr.AutoTrackable``, a functional table, or
+      lists, tuples and dicts of these; each signature reads it in inference
+      mode (``eval()``), its tables in read-only form.
     path: the directory to write (new, empty, or an earlier saved model,
       replaced whole).
     signatures: ``{name: jr.saved_model.Signature(fn, **inputs)}``.
@@ -66,9 +68,9 @@ def save(obj, path, signatures, *, platforms=("cpu", "cuda"), format: str = "jax
   platforms = _check_platforms(platforms)
   if format not in FORMATS:
     raise ValueError(f"format: expected one of {FORMATS}, got {format!r}.")
-  served = served_state.serving_copy(obj)
-  leaves, rebuild = served_state.split(served)
-  programs = {name: program.export(name, sig, leaves, rebuild, platforms) for name, sig in signatures.items()}
+  state = served_state.split(served_state.serving_copy(obj))
+  leaves = state[0]
+  programs = {name: program.export(name, sig, state, platforms) for name, sig in signatures.items()}
   used = sorted({i for p in programs.values() for i in p.state})
   position = {leaf: k for k, leaf in enumerate(used)}
   state = directory.host(leaves[i] for i in used)

@@ -206,6 +206,29 @@ def test_strings_in_and_int64_out(tmp_path):
     loaded(word=np.array(["x" * 65]))
 
 
+def test_an_autotrackable_of_tables_and_arrays(tmp_path):
+  """Whatever jr.Checkpoint saves: here an AutoTrackable holding a stateful table, a functional
+  table in a dict and an array, its type (and methods) kept for the signature."""
+
+  class Root(jr.AutoTrackable):
+    def score(self, ids):
+      return self.table.find(ids) * self.scale + self.parts["bias"].find(ids)
+
+  root = Root()
+  root.table = jr.MutableHashTable(np.int64, np.float32, default_value=-1.0)
+  root.table.insert(np.array([5, 2**40]), np.array([1.5, 2.5], np.float32))
+  bias = jr.OpenAddressingTable.create(64, key=jnp.int64, value=jnp.float32, default=0.0)
+  root.parts = {"bias": bias.insert(jr.keys.split64(np.array([5])), jnp.array([0.25]))}
+  root.scale = jnp.array(2.0)
+  spec = jax.ShapeDtypeStruct(("n",), jnp.int64)
+  jr.saved_model.save(root, tmp_path / "root", {"score": jr.saved_model.Signature(Root.score, ids=spec)})
+  ids = np.array([5, 2**40, 7])
+  got = _serve(tmp_path / "root", "score", {"ids": ids}, tmp_path)["output"]
+  assert got.tolist() == [3.25, 5.0, -2.0]
+  _same_bits(got, jax.jit(root.score)(jr.keys.split64(ids)))
+  assert len(root.table) == 2  # the object itself is untouched
+
+
 def test_a_sharded_table_is_served_unsharded(tmp_path):
   mesh = mesh_of(4)
   model = _trained(Model(capacity=256, mesh=mesh, axis="shard"))

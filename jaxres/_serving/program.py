@@ -30,14 +30,15 @@ class Program:
   outputs: list[str]
 
 
-def export(name: str, signature: Signature, leaves: list, rebuild, platforms) -> Program:
-  """``signature`` over the serving state ``leaves`` (``rebuild(leaves)`` gives the object).
+def export(name: str, signature: Signature, state: tuple, platforms) -> Program:
+  """``signature`` over the serving state ``(leaves, names, rebuild)`` (see :func:`served_state.split`).
 
   Raises:
     ValueError: the signature changes the object, or its dimensions cannot
       be traced symbolically.
     TypeError: its outputs are not arrays or a dict of them.
   """
+  leaves, names, rebuild = state
   inputs = signature.parsed
   dims = sorted({d for i in inputs for d in i.dims if isinstance(d, str)})
   scope = jax.export.SymbolicScope()
@@ -56,7 +57,7 @@ def export(name: str, signature: Signature, leaves: list, rebuild, platforms) ->
         full[index] = x
       obj = rebuild(full)
       out = _as_outputs(name, signature.fn(obj, **{i.name: x for i, x in zip(inputs, args, strict=True)}))
-      changed = served_state.changed_paths(obj, [full[i] for i in range(len(full))])
+      changed = served_state.changed_paths(obj, full, names)
       if changed:
         raise ValueError(
           f"signature {name!r}: it changes {', '.join(changed[:3])}; a served signature only reads the "
