@@ -41,8 +41,6 @@
 #include <emmintrin.h>
 #endif
 
-#include <sys/mman.h>
-
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -327,26 +325,6 @@ void OwnerPerKey(const uint32_t* words, int64_t n, int64_t num_words, const bool
   }
 }
 
-// ------------------------------------------------------------- outputs
-
-// An output of at least this many bytes is its own fresh mapping (glibc maps blocks over 32 MiB
-// apart from its heap, and unmaps them when freed), which faults in page by page as a kernel
-// first writes it: 16,384 faults for 64 MiB of rows, most of the time of one large read.
-constexpr size_t kFreshMapping = size_t{32} << 20;
-
-// Asks for huge pages for the whole 2 MiB pages inside a large output before it is written, so
-// that it faults in 2 MiB at a time. A hint for this one mapping only (where the system grants
-// transparent huge pages on request); the mapping goes when the buffer is freed.
-void AdviseHugePages(void* data, size_t bytes) {
-#if defined(MADV_HUGEPAGE)
-  if (bytes < kFreshMapping) return;
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-#endif
-}
-
 // -------------------------------------------------------- probes and rows
 
 // Where `key` is, probing from its `home` bucket: true if present, with its slot and value
@@ -507,7 +485,6 @@ ffi::Error Lookup(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records, ffi::Buff
     auto out = outputs.get<ffi::AnyBuffer>(l);
     if (!values || !defaults || !out) return ffi::Error::InvalidArgument("jaxres_lookup: bad leaf");
     const int64_t bytes = RowBytes(*values);
-    AdviseHugePages((*out)->untyped_data(), (*out)->size_bytes());
     columns.push_back({static_cast<const char*>(values->untyped_data()),
                        static_cast<const char*>(defaults->untyped_data()), static_cast<char*>((*out)->untyped_data()),
                        bytes, defaults->size_bytes() == static_cast<size_t>(n * bytes) ? bytes : 0});
@@ -1013,7 +990,6 @@ ffi::Error TakeRows(ffi::AnyBuffer leaf, ffi::Buffer<ffi::S32> index, ffi::Resul
   const int64_t bytes = RowBytes(leaf), count = leaf.dimensions()[0], n = index.element_count();
   const int32_t* at = index.typed_data();
   char* to = static_cast<char*>(rows_out->untyped_data());
-  AdviseHugePages(to, rows_out->size_bytes());
   auto row = [&](int64_t i) { return from + std::clamp<int64_t>(at[i], 0, count - 1) * bytes; };
   for (int64_t i = 0; i < n; ++i) {
     if (i + kAhead < n) PrefetchRow(row(i + kAhead), bytes);
