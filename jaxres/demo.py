@@ -130,7 +130,7 @@ def resume_and_compare(config: RunConfig, workdir: str, step: int, losses: np.nd
   return equal
 
 
-def evaluate_and_serve(run: Run, workdir: str, steps: int) -> bool:
+def evaluate_and_serve(run: Run, path: str, steps: int) -> bool:
   """Held-out loss in inference mode (nothing in the model changes), then the model exported with
   ``jr.saved_model``, loaded back and asked a few requests; whether the answers match the model's."""
   config, model = run.config, run.model
@@ -142,7 +142,6 @@ def evaluate_and_serve(run: Run, workdir: str, steps: int) -> bool:
   unchanged = model.embedding.stats() == stats
   verdict = "yes" if unchanged else "NO"
   print(f"evaluate: held-out loss {loss:.4f} in inference mode; embedding unchanged: {verdict}")
-  path = os.path.join(workdir, "export")
   start = time.perf_counter()
   export(model, path, config.num_fields)
   seconds = time.perf_counter() - start
@@ -171,6 +170,7 @@ def main(argv=None) -> int:
   parser.add_argument("--steps", type=int, default=1500, help="training steps (default 1500)")
   parser.add_argument("--capacity", type=int, default=1 << 16, help="embedding rows (default 65536)")
   parser.add_argument("--workdir", help="checkpoint directory, empty or absent (default: a temporary one)")
+  parser.add_argument("--export", help="directory the model is exported to, absent (default: a temporary one)")
   args = parser.parse_args(argv)
   if args.steps < 2:
     parser.error("--steps: expected at least 2 (the demo restarts from a checkpoint in the middle).")
@@ -178,7 +178,11 @@ def main(argv=None) -> int:
     parser.error("--capacity: expected at least 1.")
   if args.workdir and os.path.isdir(args.workdir) and os.listdir(args.workdir):
     parser.error(f"--workdir: {args.workdir} is not empty.")
+  if args.export and os.path.exists(args.export):
+    parser.error(f"--export: {args.export} already exists.")
   workdir = args.workdir or tempfile.mkdtemp(prefix="jaxres-demo-")
+  scratch = None if args.export else tempfile.mkdtemp(prefix="jaxres-demo-export-")
+  export_path = args.export or os.path.join(scratch, "model")
   config = RunConfig(capacity=args.capacity)
   every = max(1, math.ceil(args.steps / 3))
   print(
@@ -194,10 +198,12 @@ def main(argv=None) -> int:
     losses, compile_seconds, run = train_and_checkpoint(config, workdir, args.steps, every)
     summarize(run, losses, time.perf_counter() - start, compile_seconds)
     equal = resume_and_compare(config, workdir, run.manager.all_steps()[-2], losses)
-    served = evaluate_and_serve(run, workdir, args.steps)
+    served = evaluate_and_serve(run, export_path, args.steps)
   finally:
     if not args.workdir:
       shutil.rmtree(workdir, ignore_errors=True)
+    if scratch:
+      shutil.rmtree(scratch, ignore_errors=True)
   print(f"done in {time.perf_counter() - start:.1f} s")
   return 0 if equal and served else 1
 

@@ -41,12 +41,14 @@ def test_ruff_clean():
 
 def test_demo_trains_checkpoints_and_resumes_bitwise(tmp_path, capsys):
   workdir = tmp_path / "run"
-  assert demo.main(["--steps", "6", "--capacity", "256", "--workdir", str(workdir)]) == 0
+  export = tmp_path / "export"
+  assert demo.main(["--steps", "6", "--capacity", "256", "--workdir", str(workdir), "--export", str(export)]) == 0
   out = capsys.readouterr().out
   assert "(load 1.00)" in out and "evicted (LRU)" in out  # 256 rows fill within the first steps
   assert "restart from step 4: restored ['model', 'optimizer']" in out
   assert "2 resumed losses bitwise equal to the uninterrupted run: yes" in out
   assert sorted(p.name for p in workdir.iterdir()) == ["2", "4", "6"]
+  assert jr.saved_model.load(str(export)).signatures["serving_default"] is not None
   with pytest.raises(SystemExit):  # the demo never resumes someone else's run
     demo.main(["--workdir", str(workdir)])
   assert "--workdir" in capsys.readouterr().err
