@@ -170,7 +170,7 @@ def main(argv=None) -> int:
   parser.add_argument("--steps", type=int, default=1500, help="training steps (default 1500)")
   parser.add_argument("--capacity", type=int, default=1 << 16, help="embedding rows (default 65536)")
   parser.add_argument("--workdir", help="checkpoint directory, empty or absent (default: a temporary one)")
-  parser.add_argument("--export", help="directory the model is exported to, absent (default: a temporary one)")
+  parser.add_argument("--export", help="directory to export the model to, absent (default: a temporary one)")
   args = parser.parse_args(argv)
   if args.steps < 2:
     parser.error("--steps: expected at least 2 (the demo restarts from a checkpoint in the middle).")

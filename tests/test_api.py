@@ -42,7 +42,8 @@ def test_ruff_clean():
 def test_demo_trains_checkpoints_and_resumes_bitwise(tmp_path, capsys):
   workdir = tmp_path / "run"
   export = tmp_path / "export"
-  assert demo.main(["--steps", "6", "--capacity", "256", "--workdir", str(workdir), "--export", str(export)]) == 0
+  args = ["--steps", "6", "--capacity", "256", "--workdir", str(workdir), "--export", str(export)]
+  assert demo.main(args) == 0
   out = capsys.readouterr().out
   assert "(load 1.00)" in out and "evicted (LRU)" in out  # 256 rows fill within the first steps
   assert "restart from step 4: restored ['model', 'optimizer']" in out

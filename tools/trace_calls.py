@@ -2,9 +2,9 @@
 
 Traces two calls with ``sys.setprofile``: the first eager ``MutableHashTable.insert`` down to the
 storage write, and ``Checkpoint.save`` of a model holding a ``DynamicEmbedding`` down to the Orbax
-write. For each it prints the number of ``jaxres`` files entered and of file switches (calls from one
-``jaxres`` file into another, the nearest ``jaxres`` frame up the stack being the caller), the measure of how far a reader must
-jump to follow it.
+write. For each it prints the number of ``jaxres`` files entered and of file switches (calls
+from one ``jaxres`` file into another, the nearest ``jaxres`` frame up the stack being the
+caller): how far a reader must jump to follow the call.
 """
 
 from __future__ import annotations
