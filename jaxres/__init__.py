@@ -9,31 +9,32 @@
 
 from jaxres import keys as keys
 from jaxres import saved_model as saved_model
-from jaxres._core.eviction import LFU as LFU
-from jaxres._core.eviction import LRU as LRU
-from jaxres._core.eviction import CustomScore as CustomScore
-from jaxres._core.eviction import Evicted as Evicted
-from jaxres._core.open_addressing import OpenAddressingTable as OpenAddressingTable
-from jaxres._core.sharded import ShardedTable as ShardedTable
-from jaxres._core.sorted_table import SortedTable as SortedTable
+from jaxres._core.policies import LFU as LFU
+from jaxres._core.policies import LRU as LRU
+from jaxres._core.policies import CustomScore as CustomScore
+from jaxres._core.policies import Evicted as Evicted
+from jaxres._core.sharding.sharded_table import ShardedTable as ShardedTable
+from jaxres._core.storages.open_addressing import OpenAddressingTable as OpenAddressingTable
+from jaxres._core.storages.sorted_arrays import SortedTable as SortedTable
 from jaxres._core.table import RowHandles as RowHandles
 from jaxres._core.table import Table as Table
+from jaxres._errors import KeysLostError as KeysLostError
 from jaxres._integrations import nnx as _nnx  # noqa: F401  (registers the NNX checkpoint adapters)
 from jaxres._nn.embedding import DynamicEmbedding as DynamicEmbedding
 from jaxres._shell.initializers import KeyValueInitializer as KeyValueInitializer
 from jaxres._shell.initializers import TextFileIndex as TextFileIndex
 from jaxres._shell.initializers import TextFileInitializer as TextFileInitializer
 from jaxres._shell.lookup_table import LookupTable as LookupTable
-from jaxres._shell.manager import ResourceManager as ResourceManager
 from jaxres._shell.mutable_table import MutableHashTable as MutableHashTable
 from jaxres._shell.resource import Resource as Resource
+from jaxres._shell.resource_manager import ResourceManager as ResourceManager
 from jaxres._shell.static_tables import StaticHashTable as StaticHashTable
 from jaxres._shell.static_tables import StaticVocabularyTable as StaticVocabularyTable
 from jaxres._shell.trackable import AutoTrackable as AutoTrackable
 from jaxres._shell.trackable import Trackable as Trackable
 from jaxres._tracking.checkpoint import Checkpoint as Checkpoint
+from jaxres._tracking.checkpoint_manager import CheckpointManager as CheckpointManager
 from jaxres._tracking.inspect import inspect_checkpoint as inspect_checkpoint
-from jaxres._tracking.manager import CheckpointManager as CheckpointManager
 from jaxres._tracking.status import LoadStatus as LoadStatus
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
   "DynamicEmbedding",
   "Evicted",
   "KeyValueInitializer",
+  "KeysLostError",
   "LoadStatus",
   "LookupTable",
   "MutableHashTable",

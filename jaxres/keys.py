@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxres._core import codec, strings
+from jaxres._core.encoding import key_specs, strings
 
 __all__ = ["decode_strings", "encode_strings", "hash", "join64", "split64"]
 
@@ -45,13 +45,13 @@ def split64(x):
   if isinstance(x, jax.Array):
     if x.dtype not in (np.int64, np.uint64):
       raise TypeError(f"x: expected an int64 or uint64 array, got {x.dtype}.")
-    return codec.split64_jax(x)
+    return key_specs.split64_jax(x)
   arr = np.asarray(x)
   if arr.dtype.kind in "iu" and arr.dtype.itemsize < 8:
     arr = arr.astype(np.int64)
   if arr.dtype not in (np.int64, np.uint64):
     raise TypeError(f"x: expected an int64 or uint64 array, got {arr.dtype}.")
-  return jax.numpy.asarray(codec.split64_host(arr))
+  return jax.numpy.asarray(key_specs.split64_host(arr))
 
 
 def join64(pairs, dtype=np.int64):
@@ -68,11 +68,11 @@ def join64(pairs, dtype=np.int64):
     raise TypeError(
       f"pairs: expected uint32[..., 2], got {getattr(pairs, 'dtype', type(pairs))}{list(np.shape(pairs))}."
     )
-  if codec.x64_enabled():
-    return codec.join64_jax(jax.numpy.asarray(pairs), dtype)
-  if codec.is_traced(pairs):
+  if key_specs.x64_enabled():
+    return key_specs.join64_jax(jax.numpy.asarray(pairs), dtype)
+  if key_specs.is_traced(pairs):
     raise TypeError("pairs: cannot join traced word pairs with jax_enable_x64 off; keep them as pairs.")
-  return codec.join64_host(np.asarray(pairs), dtype)
+  return key_specs.join64_host(np.asarray(pairs), dtype)
 
 
 def hash(keys, key, *, seed: int = 0):
@@ -93,7 +93,7 @@ def hash(keys, key, *, seed: int = 0):
     >>> h.dtype, h.shape, bool(h[0] == h[2]), bool(h[0] != h[1])
     (dtype('uint32'), (3,), True, True)
   """
-  return codec.KeySpec.parse(key).hash(keys, seed=seed)
+  return key_specs.KeySpec.parse(key).hash(keys, seed=seed)
 
 
 def encode_strings(values, max_length: int = 64):
@@ -118,7 +118,7 @@ def encode_strings(values, max_length: int = 64):
 
 def decode_strings(rows):
   """``uint32[..., width]`` rows -> NumPy array of ``str`` (host only)."""
-  if codec.is_traced(rows):
+  if key_specs.is_traced(rows):
     raise TypeError(
       "rows: strings can only be decoded outside jit; return the rows and decode them afterwards."
     )

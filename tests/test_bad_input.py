@@ -96,7 +96,7 @@ BAD_CALLS = [
   (
     "valid dtype",
     lambda t: t.import_(np.array([1, 2], np.int32), GOOD_VALUES, valid=np.array([1, 0])),
-    ValueError,
+    TypeError,  # a wrong dtype is a wrong type
     "valid",
   ),
   ("resize to zero", lambda t: t.resize(0), ValueError, "capacity"),

@@ -195,7 +195,7 @@ def test_writes_still_in_flight_after_a_failed_save_leave_nothing_behind(saved, 
     stragglers[-1].start()
     raise ValueError("OUT_OF_RANGE: File too large")
 
-  monkeypatch.setattr(jr._tracking.storage, "save_arrays", failing_save)
+  monkeypatch.setattr(jr._tracking.orbax_io, "save_arrays", failing_save)
   with pytest.raises(OSError, match="could not write the checkpoint"):
     jr.Checkpoint(model=_graph(4)).save(path)
   stragglers[0].join()

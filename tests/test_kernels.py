@@ -1,4 +1,4 @@
-"""The CPU kernels (``jaxres/_core/kernels.cc``) give exactly what their XLA references give.
+"""The CPU kernels (``jaxres/_core/kernels/kernels.cc``) give exactly what their XLA references give.
 
 Each kernel is compared bit for bit with its reference on tables grown by random
 operations (hypothesis), and whole runs with the kernels off (``JAXRES_KERNELS=0``,
@@ -21,15 +21,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxres as jr
-from jaxres._core import batch, claims, evicting, native, placing, rows
-from jaxres._core.storage import Storage
+from jaxres._core.kernels import claims, grouping, native, row_ops
+from jaxres._core.modes import Upsert
+from jaxres._core.storages import eviction_rounds, placing
+from jaxres._core.storages.storage import Storage
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = {1: jnp.uint32, 2: jax.ShapeDtypeStruct((2,), jnp.int32), 3: jax.ShapeDtypeStruct((3,), jnp.uint32)}
 
 
 def test_the_kernels_are_built_and_on():
-  assert native.BUILT, "pip install did not compile jaxres/_core/kernels.cc (is a C++ compiler installed?)"
+  assert native.BUILT, "pip install did not compile kernels.cc (is a C++ compiler installed?)"
   assert native.ENABLED == (os.environ.get("JAXRES_KERNELS", "1") != "0")
 
 
@@ -68,7 +70,7 @@ def _grown_table(num_words, bucket_size, capacity, seed):
 @jax.jit
 def _insert_words(table, words):
   leaves = [jnp.zeros(words.shape[0], jnp.float32)]
-  return table._upsert_rows(words, leaves, None, "insert")[0]
+  return table._upsert_rows(words, leaves, None, Upsert.INSERT)[0]
 
 
 @jax.jit
@@ -165,7 +167,7 @@ def test_lookup_kernel_equals_its_reference(num_words, bucket_size, value, seed)
   for _ in range(3):
     keys = pool[rng.integers(0, len(pool), 24)]
     values = [(rng.random((24, *d.shape)) * 20 - 10).astype(d.dtype) for d in table.default]
-    table = table._upsert_rows(jnp.asarray(keys), [jnp.asarray(v) for v in values], None, "insert")[0]
+    table = table._upsert_rows(jnp.asarray(keys), [jnp.asarray(v) for v in values], None, Upsert.INSERT)[0]
     table = table._remove_rows(jnp.asarray(pool[rng.integers(0, len(pool), 8)]), None)
   words = jnp.asarray(pool[rng.integers(0, len(pool), 80)])
   per_row = [jnp.asarray((rng.random((80, *d.shape)) * 20 - 10).astype(d.dtype)) for d in table.default]
@@ -188,7 +190,7 @@ def test_search_kernel_equals_its_reference(num_words, capacity, seed):
   _assert_same(_search(table, words, False), _search(table, words, True))
   for _ in range(rng.integers(1, 4)):
     keys = jnp.asarray(pool[rng.integers(0, len(pool), capacity)])
-    table = table._upsert_rows(keys, [jnp.zeros(capacity, jnp.float32)], None, "insert")[0]
+    table = table._upsert_rows(keys, [jnp.zeros(capacity, jnp.float32)], None, Upsert.INSERT)[0]
     table = table._remove_rows(jnp.asarray(pool[rng.integers(0, len(pool), 3)]), None)
     _assert_same(_search(table, words, False), _search(table, words, True))
 
@@ -202,7 +204,7 @@ def test_sampled_search_of_large_tables_equals_its_reference(num_words):
   table = jr.SortedTable.create(6000, key=KEYS[num_words], value=jnp.float32)
   pool = rng.integers(0, 3, (5000, num_words), dtype=np.uint32) * (2**31)  # ties in leading words
   pool[:, -1] = rng.integers(1, 2**32 - 1, 5000, dtype=np.uint32)
-  table = table._upsert_rows(jnp.asarray(pool), [jnp.zeros(5000, jnp.float32)], None, "insert")[0]
+  table = table._upsert_rows(jnp.asarray(pool), [jnp.zeros(5000, jnp.float32)], None, Upsert.INSERT)[0]
   count = int(table.count)
   assert count >= 4096
   rows = np.asarray(table.keys)[:count]
@@ -231,7 +233,7 @@ def test_sampled_search_equals_its_reference_however_keys_spread(num_words, spre
   elif spread == "two clusters":
     pool[:, 0] = np.where(rng.random(5000) < 0.5, 7, 2**32 - 7)
   table = jr.SortedTable.create(5000, key=KEYS[num_words], value=jnp.float32)
-  table = table._upsert_rows(jnp.asarray(pool), [jnp.zeros(5000, jnp.float32)], None, "insert")[0]
+  table = table._upsert_rows(jnp.asarray(pool), [jnp.zeros(5000, jnp.float32)], None, Upsert.INSERT)[0]
   rows = np.asarray(table.keys)[: int(table.count)]
   near = rows[rng.integers(0, len(rows), 600)]
   near[:300, -1] += rng.integers(0, 3, 300, dtype=np.uint32)  # on and just above rows
@@ -284,7 +286,7 @@ def test_large_batches_with_lost_claims_equal_the_reference(num_words, bucket_si
 
 @functools.partial(jax.jit, static_argnames=("reference", "layout"))
 def _evict(layout, flat, scores, words, pending, new_score, named, reference):
-  evict = evicting._evict_reference if reference else evicting.evict
+  evict = eviction_rounds._evict_reference if reference else eviction_rounds.evict
   return evict(layout, flat, scores, words, pending, new_score, named)
 
 
@@ -304,7 +306,9 @@ def test_evict_kernel_equals_its_reference(num_words, bucket_size, protect, seed
     48, key=KEYS[num_words], value=jnp.float32, bucket_size=bucket_size, eviction=jr.CustomScore()
   )
   stored = np.unique(rng.integers(0, 2**32, (48, num_words), dtype=np.uint32), axis=0)
-  table = table._upsert_rows(jnp.asarray(stored), [jnp.zeros(len(stored), jnp.float32)], None, "insert")[0]
+  table = table._upsert_rows(jnp.asarray(stored), [jnp.zeros(len(stored), jnp.float32)], None, Upsert.INSERT)[
+    0
+  ]
   fresh = np.unique(rng.integers(0, 2**32, (40, num_words), dtype=np.uint32), axis=0)
   words = jnp.asarray(np.concatenate([stored[rng.integers(0, len(stored), 24)], fresh]))
   found, slot = _locate(table, words, True)
@@ -326,7 +330,7 @@ def test_large_evicting_batches_equal_the_reference(protect):
   rng = np.random.default_rng(5)
   table = jr.OpenAddressingTable.create(4096, key=KEYS[2], value=jnp.float32, eviction=jr.CustomScore())
   stored = rng.integers(0, 2**32, (4096, 2), dtype=np.uint32)
-  table = table._upsert_rows(jnp.asarray(stored), [jnp.zeros(4096, jnp.float32)], None, "insert")[0]
+  table = table._upsert_rows(jnp.asarray(stored), [jnp.zeros(4096, jnp.float32)], None, Upsert.INSERT)[0]
   words = jnp.asarray(np.concatenate([stored[:1000], rng.integers(0, 2**32, (3000, 2), dtype=np.uint32)]))
   found, slot = _locate(table, words, True)
   scores = jnp.asarray(rng.integers(0, 100, table.num_slots, dtype=np.uint32))
@@ -346,7 +350,7 @@ def test_read_rows_kernel_equals_take(dtype, shape):
   rng = np.random.default_rng(len(shape))
   leaf = jnp.asarray(rng.integers(-100, 100, shape)).astype(dtype)
   index = jnp.asarray(rng.integers(-5, 60, 37), jnp.int32)
-  (same,), (got,) = jax.jit(rows.read_rows)([leaf], index)
+  (same,), (got,) = jax.jit(row_ops.read_rows)([leaf], index)
   np.testing.assert_array_equal(np.asarray(same), np.asarray(leaf))
   np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.take(leaf, index, axis=0, mode="clip")))
 
@@ -358,7 +362,7 @@ def test_take_rows_kernel_equals_take(dtype, shape):
   rng = np.random.default_rng(len(shape))
   leaf = jnp.asarray(rng.integers(-100, 100, shape)).astype(dtype)
   index = jnp.asarray(rng.integers(-5, 60, (37,)), jnp.int32)
-  (got,) = jax.jit(rows.take_rows)([leaf], index)
+  (got,) = jax.jit(row_ops.take_rows)([leaf], index)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.take(leaf, index, axis=0, mode="clip")))
 
 
@@ -378,8 +382,8 @@ def test_group_sums_kernel_equals_its_reference(seed, n, groups, dtype, width):
   group_of[rng.random(n) < 0.1] = -1
   scale = 10.0 ** rng.integers(-30, 30, (n, *[1] * len(width)))
   x = (rng.normal(size=(n, *width)) * scale).astype(dtype)
-  kernel = jax.jit(batch.group_sums)(group_of, x)
-  reference = jax.jit(batch._group_sums)(group_of, x)
+  kernel = jax.jit(grouping.group_sums)(group_of, x)
+  reference = jax.jit(grouping._group_sums)(group_of, x)
   _assert_same(kernel, reference)
   live = sorted(set(group_of[group_of >= 0].tolist()))
   assert np.asarray(kernel[0]).tolist() == live + [-1] * (n - len(live))
@@ -401,13 +405,13 @@ def test_write_rows_kernel_equals_its_reference_and_a_loop(dtype, shape):
   for i in range(90):
     if mask[i] and 0 <= index[i] < shape[0]:
       expected[index[i]] = new[i]
-  (got,) = jax.jit(rows.write_rows)([jnp.asarray(leaf)], index, [jnp.asarray(new)], jnp.asarray(mask))
+  (got,) = jax.jit(row_ops.write_rows)([jnp.asarray(leaf)], index, [jnp.asarray(new)], jnp.asarray(mask))
   np.testing.assert_array_equal(np.asarray(got), expected)
-  (reference,) = jax.jit(rows._write_rows_reference)(index, mask, leaf, new)
+  (reference,) = jax.jit(row_ops._write_rows_reference)(index, mask, leaf, new)
   np.testing.assert_array_equal(np.asarray(reference), expected)
   # several leaves in one call: each gets its own rows
   other, other_rows = leaf[::-1].copy(), new[::-1].copy()
-  both = jax.jit(rows.write_rows)([jnp.asarray(leaf), jnp.asarray(other)], index, [new, other_rows], mask)
+  both = jax.jit(row_ops.write_rows)([jnp.asarray(leaf), jnp.asarray(other)], index, [new, other_rows], mask)
   np.testing.assert_array_equal(np.asarray(both[0]), expected)
   expected_other = other.copy()
   for i in range(90):

@@ -1,5 +1,10 @@
 """The package's layers: imports point one way (core -> shell -> tracking -> integrations), no cycles.
 
+Inside the core, the sub-packages are layers too: encoding (keys and values as
+words) -> kernels (the native kernels and their XLA references) -> the core's
+own modules (the table API, call arguments, policies) -> storages (open
+addressing, sorted arrays) -> sharding (a table over a mesh).
+
 ``python tests/test_layers.py`` prints the imports between folders.
 """
 
@@ -12,7 +17,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jaxres"
 
 # Each module may import from its own layer and the layers below it.
 LAYERS = {
-  "jaxres._core": 0,
+  "jaxres._errors": -1,
+  "jaxres._core.constants": -0.5,
+  "jaxres._core.encoding": 0,
+  "jaxres._core.kernels": 0.1,
+  "jaxres._core": 0.2,
+  "jaxres._core.storages": 0.3,
+  "jaxres._core.sharding": 0.4,
   "jaxres.keys": 1,
   "jaxres._shell": 1,
   "jaxres._tracking": 2,
@@ -34,7 +45,7 @@ CONFINED = {
     "jaxres.examples",
     "jaxres.demo",
   },
-  "orbax": {"jaxres._tracking.storage"},
+  "orbax": {"jaxres._tracking.orbax_io"},
   "tensorflow": {"jaxres._serving.tf_savedmodel"},
 }
 
@@ -54,10 +65,10 @@ def imports(path: Path, known: set[str]) -> set[str]:
     if isinstance(node, ast.Import):
       found |= {alias.name for alias in node.names}
     elif isinstance(node, ast.ImportFrom) and node.module:
-      found |= {
-        f"{node.module}.{alias.name}" for alias in node.names if f"{node.module}.{alias.name}" in known
-      }
-      found.add(node.module)
+      submodules = {f"{node.module}.{alias.name}" for alias in node.names} & known
+      found |= submodules
+      if len(submodules) < len(node.names):  # names defined in the module itself
+        found.add(node.module)
   return {name if name.startswith("jaxres") else name.split(".")[0] for name in found}
 
 

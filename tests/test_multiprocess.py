@@ -54,7 +54,7 @@ print(json.dumps({
 """
 
 SAVE_TOGETHER = """
-from jaxres._tracking import storage
+from jaxres._tracking import orbax_io
 from multiprocess_table import VALUE, empty_table, table_at
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
@@ -105,7 +105,7 @@ jr.Checkpoint(model=copies).save(path + "/replicas_again")
 
 contents = json.load(open(path + "/ckpt/manifest.json"))
 key = contents["nodes"]["model/table"]["arrays"]["blocks/keys"]
-blocks = storage.load_arrays(path + "/ckpt", contents["arrays"])[key]
+blocks = orbax_io.load_arrays(path + "/ckpt", contents["arrays"])[key]
 print(json.dumps({
   "steps": manager.all_steps(), "size": int(fresh.table.size), "step": int(fresh.step),
   "clock": [int(fresh.table.clock), int(root.table.clock)], "rows_read": sorted(blocks.rows),

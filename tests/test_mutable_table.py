@@ -355,3 +355,17 @@ def test_indexing_is_find_for_every_stateful_table():
   static = jr.StaticHashTable(jr.KeyValueInitializer(["a", "b"], [1, 2]), default_value=0)
   for t in (table, static):
     assert t[["a", "zz"]].tolist() == t.find(["a", "zz"]).tolist()
+
+
+def test_keys_lost_inside_jit_are_reported_by_their_own_error_type():
+  model = Counter(4)
+
+  @nnx.jit
+  def step(model, keys):
+    model.table.insert(keys, keys)
+
+  step(model, jnp.arange(6, dtype=jnp.int32))
+  with pytest.raises(jr.KeysLostError, match="2 key\\(s\\) were lost") as caught:
+    model.table.insert(jnp.array([0], jnp.int32), jnp.array([0], jnp.int32))
+  assert isinstance(caught.value, ValueError)  # the contract's error, of a type of its own
+  assert len(model.table) == 4  # reported once, and the failed insert changed nothing

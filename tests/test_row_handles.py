@@ -7,7 +7,7 @@ import pytest
 from oracle import STORAGES, Sharded
 
 import jaxres as jr
-from jaxres._core import batch
+from jaxres._core.kernels import grouping
 
 KINDS = [*STORAGES, Sharded(jr.OpenAddressingTable, 4)]
 
@@ -95,8 +95,8 @@ def test_group_sums_depend_on_each_group_alone():
   x = jnp.asarray((rng.normal(size=(64, 3)) * 10.0 ** rng.integers(-3, 4, (64, 1))).astype(np.float32))
   groups = rng.integers(0, 6, 64)
   names = np.array([50, 3, 17, 9, 1, 33])
-  first_groups, first = batch.group_sums(jnp.asarray(groups), x)
-  renamed_groups, renamed = batch.group_sums(jnp.asarray(names[groups]), x)
+  first_groups, first = grouping.group_sums(jnp.asarray(groups), x)
+  renamed_groups, renamed = grouping.group_sums(jnp.asarray(names[groups]), x)
   assert first_groups.tolist() == list(range(6)) + [-1] * 58
   assert renamed_groups.tolist() == sorted(names.tolist()) + [-1] * 58
   by_name = {int(g): np.asarray(row) for g, row in zip(renamed_groups[:6], renamed[:6])}

@@ -8,7 +8,7 @@ eviction policy adds ``scores`` (``uint32[n]``) and the scalars ``clock`` and
 
 A table split into shards (which may live on several processes) stores them
 as *blocks*, so that each process writes and reads whole shards of global
-arrays (see :mod:`hosts`): ``blocks/keys`` (the key words, ``uint32[shards,
+arrays (see :mod:`processes`): ``blocks/keys`` (the key words, ``uint32[shards,
 width, words]``), ``blocks/values...`` (the stored value leaves),
 ``blocks/scores`` and ``blocks/slots``, where row ``i`` holds shard ``i``'s
 live entries first and ``counts[i]`` says how many; empty ``keys`` and
@@ -35,11 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxres._core import codec
-from jaxres._core.codec import KeySpec
-from jaxres._core.hosts import Blocks
+from jaxres._core.encoding import key_specs
+from jaxres._core.encoding.key_specs import KeySpec
+from jaxres._core.encoding.value_specs import ValueSpec
+from jaxres._core.processes import Blocks
 from jaxres._core.pytrees import leaf_names
-from jaxres._core.values import ValueSpec
 
 _SHARD = re.compile(r"shards/(\d+)/(.+)")
 
@@ -178,7 +178,7 @@ def _by_shard(arrays) -> dict[int, dict]:
 def _exact(rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
   """Stored value rows in their exact dtype (64-bit integers stored as word pairs joined)."""
   if np.dtype(dtype).kind in "iu" and np.dtype(dtype).itemsize == 8 and rows.dtype == np.uint32:
-    return codec.join64_host(rows, dtype)
+    return key_specs.join64_host(rows, dtype)
   return rows
 
 

@@ -1,6 +1,6 @@
 """The ``Table`` protocol: argument checking on the host, one jitted function per operation.
 
-Public methods check and encode their arguments on the host (:mod:`calls`),
+Public methods check and encode their arguments on the host (:mod:`call_args`),
 then call one of the jitted functions below, so eager calls are compiled once
 per shape and calls inside a user's ``jit`` simply inline. Those functions work
 on flat batches of uint32 key rows through a table's row operations
@@ -21,11 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxres._core import calls, codec, display, entries, hosts
-from jaxres._core.args import check_int
-from jaxres._core.eviction import Evicted, Policy
-from jaxres._core.rows import select_rows
-from jaxres._core.values import ValueSpec
+from jaxres._core import call_args, display, entries, processes
+from jaxres._core.encoding import key_specs
+from jaxres._core.encoding.value_specs import ValueSpec
+from jaxres._core.kernels.row_ops import select_rows
+from jaxres._core.modes import Upsert
+from jaxres._core.policies import Evicted, Policy
+from jaxres._errors import check_int
 
 _MAX_CAPACITY = 2**30
 
@@ -87,9 +89,9 @@ def _jit_remove(table: Table, words, active):
 
 @_mutation(static_argnames=("mode", "tick", "report"))
 def _jit_upsert(
-  table: Table, words, leaves, active, given, *, mode: str, tick: bool = True, report: bool = False
+  table: Table, words, leaves, active, given, *, mode: Upsert, tick: bool = True, report: bool = False
 ):
-  """insert ("insert": last duplicate wins) and find_or_insert ("first"): ``(table, out, evicted)``.
+  """insert or find_or_insert (``mode``): ``(table, out, evicted)``.
 
   ``report``: return the evicted entries (else ``None``, and they are not computed).
   """
@@ -173,7 +175,7 @@ class Table(abc.ABC):
 
   A table created with an eviction policy (``eviction=jr.LRU()``, ...) keeps a
   score per entry and evicts when full instead of refusing new keys (see
-  :mod:`jaxres._core.eviction`).
+  :mod:`jaxres._core.policies`).
 
   **Cost.** Every method that takes a batch of keys costs O(batch) under
   ``jit`` when the caller donates the table (``jax.jit(step,
@@ -193,13 +195,13 @@ class Table(abc.ABC):
   clock: jax.Array  # shape=(), dtype=uint32: mutating calls so far (LRU time)
   evictions: jax.Array  # shape=(), dtype=int32: entries evicted or refused so far
   capacity: int
-  key_spec: codec.KeySpec
+  key_spec: key_specs.KeySpec
   value_spec: ValueSpec
   eviction: Policy | None
 
   @classmethod
   def _specs(cls, key, value, default):
-    key_spec = codec.KeySpec.parse(key)
+    key_spec = key_specs.KeySpec.parse(key)
     value_spec = ValueSpec.parse(value)
     default_leaves = tuple(
       jnp.asarray(x) for x in value_spec.to_storage(value_spec.spread(default), (), "default", broadcast=True)
@@ -252,29 +254,29 @@ class Table(abc.ABC):
 
   def contains(self, keys) -> jax.Array:
     """``bool[*batch]``: whether each key is present."""
-    rows = calls.prepare(self, keys)
+    rows = call_args.prepare(self, keys)
     if not rows.n:
       return jnp.zeros(rows.batch, bool)
-    return calls.unpadded(_jit_contains(self, rows.words), rows.batch)
+    return call_args.unpadded(_jit_contains(self, rows.words), rows.batch)
 
   def scores(self, keys) -> jax.Array:
     """``uint32[*batch]``: the score of each key (0 where missing, and in a table without eviction)."""
-    rows = calls.prepare(self, keys)
+    rows = call_args.prepare(self, keys)
     if not rows.n:
       return jnp.zeros(rows.batch, jnp.uint32)
-    return calls.unpadded(_jit_scores(self, rows.words), rows.batch)
+    return call_args.unpadded(_jit_scores(self, rows.words), rows.batch)
 
   def _lookup(self, keys, default):
-    rows = calls.prepare(self, keys)
+    rows = call_args.prepare(self, keys)
     batch = rows.batch
-    flat = calls.default_rows(self, default, batch)
+    flat = call_args.default_rows(self, default, batch)
     shapes = [leaf.storage_shape for leaf in self.value_spec.leaves]
     if not rows.n:
       empty = [jnp.broadcast_to(x, (0, *shape)) for x, shape in zip(flat, shapes, strict=True)]
-      return calls.output(self, empty, batch), jnp.zeros(batch, bool)
-    flat = [calls.pad_rows(x, rows, len(shape)) for x, shape in zip(flat, shapes, strict=True)]
+      return call_args.output(self, empty, batch), jnp.zeros(batch, bool)
+    flat = [call_args.pad_rows(x, rows, len(shape)) for x, shape in zip(flat, shapes, strict=True)]
     leaves, found = _jit_lookup(self, rows.words, flat)
-    return calls.output(self, leaves, batch), calls.unpadded(found, batch)
+    return call_args.output(self, leaves, batch), call_args.unpadded(found, batch)
 
   # ----------------------------------------------------------- mutations
 
@@ -297,7 +299,7 @@ class Table(abc.ABC):
     Returns:
       The new table.
     """
-    return self._upsert(keys, values, valid, scores, "insert", report=False, donate=donate)[0]
+    return self._upsert(keys, values, valid, scores, Upsert.INSERT, report=False, donate=donate)[0]
 
   def insert_and_evict(
     self, keys, values, valid=None, scores=None, *, donate: bool = False
@@ -317,8 +319,10 @@ class Table(abc.ABC):
       >>> evicted.keys.tolist(), evicted.valid.tolist(), t.find(jnp.array([1, 2, 3])).tolist()
       ([2, 0], [True, False], [1.0, 0.0, 3.0])
     """
-    table, _, evicted, rows = self._upsert(keys, values, valid, scores, "insert", report=True, donate=donate)
-    return table, calls.evicted(table, evicted, rows)
+    table, _, evicted, rows = self._upsert(
+      keys, values, valid, scores, Upsert.INSERT, report=True, donate=donate
+    )
+    return table, call_args.evicted(table, evicted, rows)
 
   def find_or_insert(
     self, keys, values, valid=None, scores=None, *, donate: bool = False
@@ -346,7 +350,9 @@ class Table(abc.ABC):
       >>> rows.tolist()
       [0, 1, 0]
     """
-    table, found, _, _ = self._upsert(keys, values, valid, scores, "first", report=False, donate=donate)
+    table, found, _, _ = self._upsert(
+      keys, values, valid, scores, Upsert.FIND_OR_INSERT, report=False, donate=donate
+    )
     return table, found
 
   def find_or_insert_and_evict(
@@ -358,23 +364,23 @@ class Table(abc.ABC):
     table default.
     """
     table, found, evicted, rows = self._upsert(
-      keys, values, valid, scores, "first", report=True, donate=donate
+      keys, values, valid, scores, Upsert.FIND_OR_INSERT, report=True, donate=donate
     )
-    return table, found, calls.evicted(table, evicted, rows)
+    return table, found, call_args.evicted(table, evicted, rows)
 
-  def _upsert(self, keys, values, valid, scores, mode: str, report: bool, donate: bool = False):
+  def _upsert(self, keys, values, valid, scores, mode: Upsert, report: bool, donate: bool = False):
     """insert or find_or_insert: ``(table, found values, evicted rows or None, rows)``."""
-    rows = calls.prepare(self, keys, values, valid, scores)
+    rows = call_args.prepare(self, keys, values, valid, scores)
     if not rows.n:
-      return self, calls.output(self, [x[:0] for x in rows.leaves], rows.batch), None, rows
+      return self, call_args.output(self, [x[:0] for x in rows.leaves], rows.batch), None, rows
     table, out, evicted = _jit_upsert(
       self, rows.words, rows.leaves, rows.active, rows.given, mode=mode, report=report, donate=donate
     )
-    if mode == "insert":
+    if not mode.keeps_present:
       return table, None, evicted, rows
     if valid is not None:
       out = select_rows(rows.active, out, list(table.default))
-    return table, calls.output(table, out, rows.batch), evicted, rows
+    return table, call_args.output(table, out, rows.batch), evicted, rows
 
   # -------------------------------------------------------- row handles
 
@@ -384,10 +390,10 @@ class Table(abc.ABC):
     Rows stay valid until the next call that inserts or removes keys; read and
     write them with :meth:`read_rows` and :meth:`write_rows`.
     """
-    rows = calls.prepare(self, keys)
+    rows = call_args.prepare(self, keys)
     if not rows.n:
       return jnp.zeros(rows.batch, jnp.int32)
-    return calls.unpadded(_jit_find_rows(self, rows.words), rows.batch)
+    return call_args.unpadded(_jit_find_rows(self, rows.words), rows.batch)
 
   def find_or_insert_rows(
     self, keys, valid=None, scores=None, *, donate: bool = False
@@ -422,20 +428,20 @@ class Table(abc.ABC):
       >>> t.read_rows(handles.index).tolist(), t.find(jnp.array([5, 9])).tolist()
       ([0.5, 9.0, 9.0], [0.5, 9.0])
     """
-    rows = calls.prepare(self, keys, valid=valid, scores=scores, inserts=True)
+    rows = call_args.prepare(self, keys, valid=valid, scores=scores, inserts=True)
     n, batch = rows.n, rows.batch
     if not n:
-      empty = calls.evicted(self, None, rows)
+      empty = call_args.evicted(self, None, rows)
       nothing = jnp.zeros(batch, bool)
       return self, RowHandles(jnp.zeros(batch, jnp.int32), nothing, nothing, empty)
     table, index, found, inserted, evicted = _jit_claim(
       self, rows.words, rows.active, rows.given, report=True, donate=donate
     )
     handles = RowHandles(
-      calls.unpadded(index, batch),
-      calls.unpadded(found, batch),
-      calls.unpadded(inserted, batch),
-      calls.evicted(table, evicted, rows),
+      call_args.unpadded(index, batch),
+      call_args.unpadded(found, batch),
+      call_args.unpadded(inserted, batch),
+      call_args.evicted(table, evicted, rows),
     )
     return table, handles
 
@@ -444,13 +450,13 @@ class Table(abc.ABC):
 
     Rows come from :meth:`find_rows` or :meth:`find_or_insert_rows`.
     """
-    index, batch, n = calls.row_index(index)
-    flat = [d.reshape((n, *d.shape[len(batch) :])) for d in calls.defaults(self, default, batch)]
+    index, batch, n = call_args.row_index(index)
+    flat = [d.reshape((n, *d.shape[len(batch) :])) for d in call_args.defaults(self, default, batch)]
     if not n:
-      return calls.output(self, flat, batch)
-    rows = calls.Rows(index[:, None], [], None, None, n, batch)
-    leaves = _jit_read_rows(self, index, [calls.pad_to(x, rows) for x in flat])
-    return calls.output(self, leaves, batch)
+      return call_args.output(self, flat, batch)
+    rows = call_args.Rows(index[:, None], [], None, None, n, batch)
+    leaves = _jit_read_rows(self, index, [call_args.pad_to(x, rows) for x in flat])
+    return call_args.output(self, leaves, batch)
 
   def write_rows(self, index, values, valid=None, *, donate: bool = False) -> Table:
     """Writes ``values`` into rows ``index``; the last duplicate wins, ``-1`` and masked rows are skipped.
@@ -464,14 +470,14 @@ class Table(abc.ABC):
       values: value pytree with leaves ``[*batch, *value_shape]``.
       valid: optional ``bool[*batch]``.
     """
-    index, batch, n = calls.row_index(index)
-    leaves = calls.value_leaves(self, values, batch)
-    active = calls.check_valid(valid, batch)
+    index, batch, n = call_args.row_index(index)
+    leaves = call_args.value_leaves(self, values, batch)
+    active = call_args.check_valid(valid, batch)
     if not n:
       return self
-    rows = calls.Rows(index[:, None], [], None, None, n, batch)
-    active = index >= 0 if active is None else calls.pad_to(active, rows) & (index >= 0)
-    return _jit_write_rows(self, index, [calls.pad_to(x, rows) for x in leaves], active, donate=donate)
+    rows = call_args.Rows(index[:, None], [], None, None, n, batch)
+    active = index >= 0 if active is None else call_args.pad_to(active, rows) & (index >= 0)
+    return _jit_write_rows(self, index, [call_args.pad_to(x, rows) for x in leaves], active, donate=donate)
 
   def insert_or_apply(
     self, keys, values, fn: Callable, valid=None, scores=None, *, donate: bool = False
@@ -501,7 +507,7 @@ class Table(abc.ABC):
     """
     if not callable(fn):
       raise TypeError(f"fn: expected a callable fn(old, new), got {fn!r}.")
-    rows = calls.prepare(self, keys, values, valid, scores)
+    rows = call_args.prepare(self, keys, values, valid, scores)
     if not rows.n:
       return self
     self._check_fn(fn)
@@ -538,7 +544,7 @@ class Table(abc.ABC):
       >>> t.find(jnp.array([1, 2])).tolist(), int(t.size)
       ([5.0, 0.0], 1)
     """
-    rows = calls.prepare(self, keys, values, valid)
+    rows = call_args.prepare(self, keys, values, valid)
     if not rows.n:
       return self
     return _jit_assign(self, rows.words, rows.leaves, rows.active, donate=donate)
@@ -551,7 +557,7 @@ class Table(abc.ABC):
       valid: optional ``bool[*batch]``; rows marked ``False`` are skipped
         (padding in a fixed-shape batch).
     """
-    rows = calls.prepare(self, keys, valid=valid)
+    rows = call_args.prepare(self, keys, valid=valid)
     if not rows.n:
       return self
     return _jit_remove(self, rows.words, rows.active, donate=donate)
@@ -609,7 +615,7 @@ class Table(abc.ABC):
       [0, 1, 2, 3]
     """
     size = check_int(size, "size", low=1)
-    if not codec.is_traced(offset):
+    if not key_specs.is_traced(offset):
       offset = check_int(offset, "offset")
     words, leaves, scores, valid = _jit_slots(self, jnp.asarray(offset, jnp.int32), size=size)
     words = jnp.where(valid[:, None], words, self.key_spec.encode_zero())
@@ -629,14 +635,14 @@ class Table(abc.ABC):
     eviction policy, the lowest-scored are evicted), which otherwise restarts
     at zero.
     """
-    rows = calls.prepare(self, keys, values, valid, scores, explicit_scores=True)
+    rows = call_args.prepare(self, keys, values, valid, scores, explicit_scores=True)
     if not rows.n:
       return self._cleared()
     return self._imported_rows(rows.words, rows.leaves, rows.active, rows.given)
 
   def _imported_rows(self, words, leaves, active, given) -> Table:
     """:meth:`import_` of encoded rows: key ``words``, storage ``leaves``, ``active``, ``given`` scores."""
-    return _jit_upsert(self._cleared(), words, leaves, active, given, mode="insert")[0]
+    return _jit_upsert(self._cleared(), words, leaves, active, given, mode=Upsert.INSERT)[0]
 
   def resize(self, capacity: int) -> Table:
     """The same contents (and scores) in a table of another ``capacity`` (static).
@@ -647,12 +653,12 @@ class Table(abc.ABC):
         evicted).
     """
     capacity = check_capacity(capacity)
-    if not codec.is_traced(self.size) and int(self.size) > capacity:
+    if not key_specs.is_traced(self.size) and int(self.size) > capacity:
       raise ValueError(f"capacity: {capacity} is below the table's size {int(self.size)}.")
     words, leaves, scores, valid = _jit_compact(self)
     target = self._with_capacity(capacity)._carry(self)
     given = scores if self.eviction is not None else None
-    return _jit_upsert(target, words, leaves, valid, given, mode="insert", tick=False)[0]
+    return _jit_upsert(target, words, leaves, valid, given, mode=Upsert.INSERT, tick=False)[0]
 
   # ------------------------------------------------------ checkpoints
 
@@ -709,9 +715,9 @@ class Table(abc.ABC):
     """
     if not complete:
       leaves, treedef = jax.tree.flatten(values)
-      keys, *leaves = hosts.gather_rows([keys, *leaves])
+      keys, *leaves = processes.gather_rows([keys, *leaves])
       values = jax.tree.unflatten(treedef, leaves)
-      scores = None if scores is None else hosts.gather_rows([scores])[0]
+      scores = None if scores is None else processes.gather_rows([scores])[0]
     return self.import_(keys, values, scores=scores)
 
   def _live_entries(self) -> entries.Entries:
@@ -747,7 +753,7 @@ class Table(abc.ABC):
     return [0]
 
   def __repr__(self) -> str:
-    size = "traced" if codec.is_traced(self.size) else int(self.size)
+    size = "traced" if key_specs.is_traced(self.size) else int(self.size)
     policy = "" if self.eviction is None else f", eviction={self.eviction}"
     return (
       f"{type(self).__name__}(capacity={self.capacity}, size={size}, "
@@ -759,7 +765,7 @@ class Table(abc.ABC):
     facts = {"key": str(self.key_spec), "value": str(self.value_spec), "capacity": f"{self.capacity:,}"}
     if self.eviction is not None:
       facts["eviction"] = str(self.eviction)
-    if codec.is_traced(self.size):
+    if key_specs.is_traced(self.size):
       return display.html_table(type(self).__name__, facts, [], 0)
     size = int(self.size)
     facts |= {"size": f"{size:,}", "load": f"{size / self.capacity:.2f}", "dropped": f"{int(self.dropped):,}"}
@@ -803,12 +809,12 @@ class Table(abc.ABC):
 
   @abc.abstractmethod
   def _upsert_rows(
-    self, words, leaves, active, mode, given=None, weights=None
+    self, words, leaves, active, mode: Upsert, given=None, weights=None
   ) -> tuple[Table, list, tuple | None]:
-    """insert (``mode="insert"``) or find_or_insert (``"first"``) on flat rows.
+    """insert or find_or_insert (``mode``) on flat rows.
 
     Returns ``(table, out, evicted)``: ``out`` the found-or-inserted values
-    (``"first"``), ``evicted`` the rows' ``(words, leaves, scores, valid)``
+    (``Upsert.FIND_OR_INSERT``), ``evicted`` the rows' ``(words, leaves, scores, valid)``
     (``None`` without an eviction policy). ``given``: scores for the keys
     (``CustomScore``, or entries moved with their scores). ``weights``:
     ``int32[N]``, how many occurrences each row stands for (a counting policy

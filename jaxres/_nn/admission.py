@@ -17,9 +17,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxres._core import batch
-from jaxres._core.eviction import LRU
-from jaxres._core.open_addressing import OpenAddressingTable
+from jaxres._core.kernels import grouping
+from jaxres._core.policies import LRU
+from jaxres._core.storages.open_addressing import OpenAddressingTable
 from jaxres._core.table import Table
 
 
@@ -44,9 +44,9 @@ def admit(counts: Table, keys, words, candidates: jax.Array, min_count: int) -> 
     >>> admitted.tolist(), counts.contains(ids).tolist()  # 4 admitted: its count is dropped
     ([False, False, True, True], [False, True, False, False])
   """
-  groups = batch.group(words, candidates)  # an id's candidate rows, contiguous, in batch order
+  groups = grouping.group(words, candidates)  # an id's candidate rows, contiguous, in batch order
   position = jnp.arange(words.shape[0], dtype=jnp.int32)
-  earlier, occurrences = batch.unsort(groups, (position - groups.start, groups.end - groups.start + 1))
+  earlier, occurrences = grouping.unsort(groups, (position - groups.start, groups.end - groups.start + 1))
   counts = counts.insert_or_apply(keys, jnp.ones(candidates.shape, jnp.int32), jnp.add, valid=candidates)
   # Counts are read after the update (a read before it would make XLA copy the table to keep it):
   # a counted id had its count before the batch plus its occurrences; a refused one counted none.

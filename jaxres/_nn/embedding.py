@@ -13,12 +13,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxres._core import batch as batch_lib
-from jaxres._core.args import check_int
-from jaxres._core.eviction import check_policy
-from jaxres._core.open_addressing import OpenAddressingTable
-from jaxres._core.sharded import ShardedTable
+from jaxres._core.kernels import grouping
+from jaxres._core.policies import check_policy
+from jaxres._core.sharding.sharded_table import ShardedTable
+from jaxres._core.storages.open_addressing import OpenAddressingTable
 from jaxres._core.table import Table, check_capacity
+from jaxres._errors import check_int
 from jaxres._nn import admission
 from jaxres._nn.rowwise import RowOptimizer
 
@@ -354,7 +354,7 @@ def _read(table: Table, words) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("table",))
 def _update(spec: _Spec, table: Table, words, grads, recent):
-  rows, total = batch_lib.group_sums(_rows_of(table, words, recent), grads)  # each row once, its ids' sum
+  rows, total = grouping.group_sums(_rows_of(table, words, recent), grads)  # each row once, its ids' sum
   values = table.read_rows(rows)
   new_rows, slots = spec.optimizer.update(total, values["row"], values["slots"])
   return table.write_rows(rows, {"row": new_rows, "slots": tuple(slots)}, valid=rows >= 0)

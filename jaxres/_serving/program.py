@@ -16,7 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxres._core import native
+from jaxres._core.kernels import native
 from jaxres._serving import served_state
 from jaxres._serving.signature import Signature
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxres._core import codec, strings
+from jaxres._core.encoding import key_specs, strings
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _KINDS = "biuf"  # bool, integers, floats (and strings, as dtype str)
@@ -39,7 +39,7 @@ class Input:
   @property
   def is_wide(self) -> bool:
     """A 64-bit integer input, traced as word pairs when x64 is off."""
-    return self.dtype.kind in "iu" and self.dtype.itemsize == 8 and not codec.x64_enabled()
+    return self.dtype.kind in "iu" and self.dtype.itemsize == 8 and not key_specs.x64_enabled()
 
   def spec(self) -> jax.ShapeDtypeStruct:
     """As the caller gives it (``jax.ShapeDtypeStruct`` with named dimensions)."""
@@ -59,7 +59,7 @@ class Input:
     if self.is_string:
       return strings.encode(value, max_length, name=self.name)
     if self.is_wide:
-      return codec.split64_host(np.asarray(value, self.dtype))
+      return key_specs.split64_host(np.asarray(value, self.dtype))
     return np.asarray(value).astype(jax.dtypes.canonicalize_dtype(self.dtype), copy=False)
 
   def check(self, value, sizes: dict[str, int]) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 from jax.experimental import jax2tf
 
-from jaxres._core import strings
+from jaxres._core.encoding import strings
 from jaxres._serving import directory
 from jaxres._serving.signature import Input
 

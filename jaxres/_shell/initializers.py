@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from jaxres._core.args import check_int
+from jaxres._errors import check_int
 
 
 def _host_array(data, name: str):

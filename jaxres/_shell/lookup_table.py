@@ -10,15 +10,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxres._core import codec, display, entries
-from jaxres._core.eviction import check_policy
-from jaxres._core.open_addressing import OpenAddressingTable
-from jaxres._core.sorted_table import SortedTable
+from jaxres._core import display, entries
+from jaxres._core.encoding import key_specs
+from jaxres._core.encoding.value_specs import ValueSpec
+from jaxres._core.policies import check_policy
+from jaxres._core.storages.open_addressing import OpenAddressingTable
+from jaxres._core.storages.sorted_arrays import SortedTable
 from jaxres._core.table import Table, check_capacity
-from jaxres._core.values import ValueSpec
-from jaxres._shell.codecs import KeyCodec, ValueCodec
+from jaxres._errors import KeysLostError
 from jaxres._shell.resource import Resource
-from jaxres._shell.trackable import Commit, Trackable, redefines_protocol
+from jaxres._shell.table_codecs import KeyCodec, ValueCodec
 
 STORAGES = {"open_addressing": OpenAddressingTable, "sorted": SortedTable}
 _REPR_ENTRIES = 3
@@ -80,7 +81,7 @@ class LookupTable(Resource):
     self._initial_capacity = check_capacity(initial_capacity, "initial_capacity")
 
   def _check_state(self, state) -> None:
-    key_spec = codec.KeySpec.parse(self._key_codec.spec)
+    key_spec = key_specs.KeySpec.parse(self._key_codec.spec)
     value_spec = ValueSpec.parse(self._value_codec.spec)
     if not (
       isinstance(state, self._storage)
@@ -122,22 +123,15 @@ class LookupTable(Resource):
     return self.state._serialize_to_arrays()  # live entries only (not the lost-in-jit report)
 
   def _restore_from_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
-    LookupTable._entries_commit(self, arrays)()
-
-  def _prepare_restore(self, arrays: Mapping[str, np.ndarray]) -> Commit | None:
-    if redefines_protocol(self, LookupTable):
-      return Trackable._prepare_restore(self, arrays)
-    return LookupTable._entries_commit(self, arrays)
-
-  def _entries_commit(self, arrays: Mapping[str, np.ndarray]) -> Commit:
-    """Checks checkpointed entries; returns the commit that makes them the contents."""
+    """Makes the checkpointed entries the contents, all checked before the state changes (the
+    undo of :meth:`Resource._prepare_restore` puts the state from before back)."""
     codecs = {"keys": self._key_codec, "values": self._value_codec}
     arrays = {  # string rows written for another maximum length are re-encoded
       name: codecs[field].fit(array, name) if (field := entries.field_of(name)) in codecs else array
       for name, array in arrays.items()
     }
     rows = entries.count(arrays)
-    return self._replacing_state(self._empty(self._room_for(rows))._from_arrays(arrays))
+    self.state = self._empty(self._room_for(rows))._from_arrays(arrays)
 
   def _current(self):
     """The state, after reporting keys lost inside jit (eager use only).
@@ -147,12 +141,12 @@ class LookupTable(Resource):
     restore) is read back from the device to check.
     """
     table = self.state
-    if codec.is_traced(table.dropped) or self._known(table) is not None:
+    if key_specs.is_traced(table.dropped) or self._known(table) is not None:
       return table
     lost = int(table.dropped)
     if lost:
       self.state = dataclasses.replace(table, dropped=jnp.zeros_like(table.dropped))
-      raise ValueError(
+      raise KeysLostError(
         f"{type(self).__name__}: {lost} key(s) were lost by an insert inside jit, where the table cannot "
         f"grow (capacity {table.capacity}). Call reserve() before jitting, or start with a larger "
         "initial_capacity."
@@ -200,7 +194,7 @@ class LookupTable(Resource):
     """``(keys, values)``: the live entries, sorted by key, with exact dtypes (eager only)."""
     with self._life().lock:
       table = self._current()
-      if codec.is_traced(table.size):
+      if key_specs.is_traced(table.size):
         raise TypeError("export: the stateful export runs eagerly; inside jit use table.state.export().")
       return self._sorted_entries(table)
 
@@ -232,7 +226,7 @@ class LookupTable(Resource):
 
     A repr does not consume the report of keys lost inside jit (see ``_current``).
     """
-    if not self.created or codec.is_traced(self.state.size):
+    if not self.created or key_specs.is_traced(self.state.size):
       return None
     with self._life().lock:
       keys, values = self._sorted_entries(self.state)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from jaxres._core import codec
+from jaxres._core.encoding import key_specs
 from jaxres._core.table import check_capacity
 from jaxres._shell.lookup_table import LookupTable
 
@@ -94,7 +94,7 @@ class MutableHashTable(LookupTable):
     read from the device only when the bound that the table's own updates
     keep says the keys might not fit.
     """
-    if table.eviction is not None or codec.is_traced(table.size):
+    if table.eviction is not None or key_specs.is_traced(table.size):
       return table, None
     rows = table.key_spec.count(keys)
     known = self._known(table)

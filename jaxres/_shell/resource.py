@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from jaxres._core.pytrees import leaf_names
-from jaxres._shell.trackable import Commit, Trackable, redefines_protocol
+from jaxres._shell.trackable import Commit, Trackable
 
 
 class ResourceState(nnx.Variable):
@@ -161,15 +161,7 @@ class Resource(Trackable, nnx.Module):
     return dict(zip(leaf_names(state, "state"), jax.tree.leaves(state)))
 
   def _restore_from_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
-    Resource._state_commit(self, arrays)()
-
-  def _prepare_restore(self, arrays: Mapping[str, np.ndarray]) -> Commit | None:
-    if redefines_protocol(self, Resource):
-      return super()._prepare_restore(arrays)
-    return Resource._state_commit(self, arrays)
-
-  def _state_commit(self, arrays: Mapping[str, np.ndarray]) -> Commit:
-    """Checks ``arrays`` against the state's leaves; returns the commit that makes them the state."""
+    """Makes the saved leaves the state, every one checked before the state changes."""
     current = self.state
     names = leaf_names(current, "state")
     if sorted(arrays) != sorted(names):
@@ -183,15 +175,20 @@ class Resource(Trackable, nnx.Module):
           f"the state {old.dtype}{list(old.shape)}."
         )
       leaves.append(jnp.asarray(new))
-    return self._replacing_state(jax.tree.unflatten(jax.tree.structure(current), leaves))
+    self.state = jax.tree.unflatten(jax.tree.structure(current), leaves)
 
-  def _replacing_state(self, new) -> Commit:
-    """The commit that makes ``new`` the state (and whose undo puts the old one back)."""
+  def _holds_arrays(self) -> bool:
+    return True  # its state (without reading it back)
+
+  def _prepare_restore(self, arrays: Mapping[str, np.ndarray]) -> Commit:
+    """Restores through :meth:`_restore_from_arrays` (this class's, or a subclass's own) at commit;
+    the undo puts the state from before back. A resource's state is an immutable pytree, so
+    keeping the old one costs nothing."""
 
     def commit():
       with self._life().lock:
         old = self.state
-        self.state = new
+      self._restore_from_arrays(arrays)
       return lambda: setattr(self, "state", old)
 
     return commit

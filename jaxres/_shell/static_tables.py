@@ -5,12 +5,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxres._core import codec
-from jaxres._core.args import check_int
+from jaxres._core import constants
+from jaxres._core.encoding import key_specs
+from jaxres._errors import check_int
 from jaxres._shell.initializers import KeyValueInitializer, TextFileInitializer
 from jaxres._shell.lookup_table import LookupTable
 
-_FINGERPRINT_SEED = 0x5EED
 _MAX_OOV_BUCKETS = 2**31 - 1
 
 
@@ -138,11 +138,11 @@ class StaticVocabularyTable(StaticHashTable):
       table = self._current()
       encoded = self._key_codec.encode(keys)
       ids, found = table.lookup(encoded)
-      bucket = table.key_spec.hash(encoded, seed=_FINGERPRINT_SEED) % np.uint32(self.num_oov_buckets)
+      bucket = table.key_spec.hash(encoded, seed=constants.OOV_SEED) % np.uint32(self.num_oov_buckets)
       oov = bucket + table.size.astype(jnp.uint32)
-    if codec.x64_enabled():
+    if key_specs.x64_enabled():
       return jnp.where(found, ids, oov.astype(jnp.int64)), found
-    if codec.is_traced(found):  # word pairs: high word 0, low word the id
+    if key_specs.is_traced(found):  # word pairs: high word 0, low word the id
       pairs = jnp.stack([jnp.zeros_like(oov), oov], axis=-1)
       return jnp.where(found[..., None], ids, pairs), found
     return np.where(np.asarray(found), ids, np.asarray(oov).astype(np.int64)), found

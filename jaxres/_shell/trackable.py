@@ -1,14 +1,33 @@
 """The base of the checkpointed object graph: named children and the save/restore protocol.
 
-Every kind of object saves and restores itself through three methods:
+The whole protocol, in one place. Every kind of object saves and restores
+itself through three methods (a new kind defines those it needs):
 
 * ``_trackable_children()``: the objects it holds, by local name;
 * ``_serialize_to_arrays()``: its own state as ``{name: array}``;
 * ``_restore_from_arrays(arrays)``: that state put back.
 
-The tracking layer walks the graph through them, checks what it reads,
+The tracking layer calls them through two more, whose defaults serve every kind:
+
+* ``_prepare_restore(arrays) -> commit``: the restore in two steps, so that a
+  restore failing anywhere leaves every object as it was. ``commit()``
+  restores and returns the function that undoes it. The default keeps a copy
+  of the arrays from before; a resource keeps its old state instead.
+* ``_holds_arrays()``: whether the object has arrays of its own (a restore
+  reports an object that has, and that the checkpoint lacks).
+
+and an object that holds children may say how they are put in place:
+
+* ``_replace_trackable_child(name, value)``: a restored value (an array, a
+  functional table, a tuple) in place of the child ``name``;
+* ``_defer_restore(name, new_queue)``: the queue of restores waiting for a
+  child not attached yet (only a kind that sees attachments can have one).
+
+The tracking layer walks the graph through these, checks what it reads,
 schedules deferred restores and keeps the load status; it knows no kind's
-internals, and a new kind plugs in by defining the methods.
+internals. Objects that are not trackables (arrays, containers, functional
+tables, NNX objects) get the same protocol from adapters registered per type
+in ``jaxres._tracking.handles``.
 """
 
 from __future__ import annotations
@@ -75,19 +94,12 @@ class Trackable:
     if arrays:
       raise TypeError(f"expected no arrays (a {type(self).__name__} has none), got {sorted(arrays)}.")
 
-  def _prepare_restore(self, arrays: Mapping[str, np.ndarray]) -> Commit | None:
-    """The restore in two steps: checks ``arrays`` now, changes the object on ``commit()``.
-
-    Returns ``None`` when nothing is to change, else ``commit``, which
-    restores and returns a function that undoes it, so that a restore failing
-    on a later object leaves every object as it was. Built-in kinds check
-    everything here and commit by swapping immutable state. The default
-    restores through :meth:`_restore_from_arrays` at commit, with a snapshot
-    from :meth:`_serialize_to_arrays` to undo it (also when it raises).
+  def _prepare_restore(self, arrays: Mapping[str, np.ndarray]) -> Commit:
+    """The restore in two steps: returns ``commit``, which restores (through
+    :meth:`_restore_from_arrays`) and returns a function that undoes it, so that a restore failing
+    on a later object leaves every object as it was. The undo restores a copy of the arrays
+    :meth:`_serialize_to_arrays` gave just before (also when the restore itself raises).
     """
-    if type(self)._restore_from_arrays is Trackable._restore_from_arrays:
-      self._restore_from_arrays(arrays)  # no state: checks that there are no arrays
-      return None
 
     def commit():
       snapshot = {name: np.array(value, copy=True) for name, value in self._serialize_to_arrays().items()}
@@ -100,8 +112,22 @@ class Trackable:
 
     return commit
 
+  def _holds_arrays(self) -> bool:
+    """Whether this object has arrays of its own now (children excluded)."""
+    return bool(self._serialize_to_arrays())
+
   def _replace_trackable_child(self, name: str, value: Any) -> None:
-    """Puts ``value`` in place of the child ``name`` (a restored array, functional table or tuple)."""
+    """Puts ``value`` in place of the child ``name`` (a restored array, functional table or tuple).
+
+    Raises:
+      TypeError: the child is not held in the attribute ``name`` (a kind that keeps children
+        elsewhere defines this method).
+    """
+    if getattr(self, name, None) is not self._trackable_children().get(name):
+      raise TypeError(
+        f"a {type(self).__name__} keeps this child elsewhere than in its attribute {name!r}; "
+        "define _replace_trackable_child to restore it."
+      )
     setattr(self, name, value)
 
   def _defer_restore(self, name: str, new_queue: Callable[[], Any]) -> Any | None:
@@ -116,21 +142,6 @@ class Trackable:
     """
     del name, new_queue
     return None
-
-
-def redefines_protocol(obj: Trackable, base: type) -> bool:
-  """Whether a subclass of ``base`` redefines how ``obj`` saves or restores its arrays.
-
-  A built-in kind's two-step restore (``_prepare_restore``) only describes the
-  arrays of its own ``_serialize_to_arrays``; it steps aside for a subclass
-  that defines its own.
-  """
-  for klass in type(obj).__mro__:
-    if klass is base:
-      return False
-    if "_serialize_to_arrays" in vars(klass) or "_restore_from_arrays" in vars(klass):
-      return True
-  return False
 
 
 class AutoTrackable(Trackable):

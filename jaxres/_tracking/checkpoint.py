@@ -4,7 +4,7 @@ A checkpoint directory holds ``manifest.json`` (see :mod:`manifest`) and the
 arrays, written by Orbax. Saving writes to a temporary directory and renames
 it into place, so an interrupted save never replaces a complete checkpoint.
 With several processes, all save and restore together: each writes its own
-shards of row-split arrays (see :mod:`storage`), and process 0 writes the
+shards of row-split arrays (see :mod:`orbax_io`), and process 0 writes the
 manifest and renames the directory once every process has written.
 Restoring (see :mod:`restoring`) matches checkpointed paths with the objects
 that exist now and restores them at once; a path whose object does not exist
@@ -14,7 +14,6 @@ yet is restored the moment an object is attached there.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import secrets
 import shutil
@@ -22,9 +21,9 @@ import tempfile
 import time
 from typing import Any
 
-from jaxres._core import hosts
+from jaxres._core import processes
 from jaxres._shell.trackable import AutoTrackable
-from jaxres._tracking import manifest, restoring, saving, storage
+from jaxres._tracking import manifest, orbax_io, restoring, saving
 from jaxres._tracking.status import LoadStatus
 
 
@@ -93,24 +92,21 @@ class Checkpoint(AutoTrackable):
         checkpoint already at ``path`` is then left as it was.
     """
     contents, arrays = collect(self._root)
-    path = storage.absolute_path(path)
+    path = orbax_io.absolute_path(path)
     staging = _staging(path)
     try:
       try:
-        storage.save_arrays(staging, arrays)
-        if hosts.is_primary():
-          with open(os.path.join(staging, manifest.MANIFEST), "w", encoding="utf-8") as f:
-            json.dump(contents, f)
-            f.flush()
-            os.fsync(f.fileno())
+        orbax_io.save_arrays(staging, arrays)
+        if processes.is_primary():
+          manifest.write(staging, contents)
       except Exception as err:  # Orbax reports write errors as ValueError
         raise OSError(f"{path}: could not write the checkpoint, nothing was replaced ({err}).") from err
-      hosts.barrier("jaxres: checkpoint written")
-      if hosts.is_primary():
+      processes.barrier("jaxres: checkpoint written")
+      if processes.is_primary():
         _replace_dir(staging, path)
-      hosts.barrier("jaxres: checkpoint in place")
+      processes.barrier("jaxres: checkpoint in place")
     except BaseException:
-      if hosts.is_primary():
+      if processes.is_primary():
         _discard(staging)
       raise
     return path
@@ -129,30 +125,30 @@ class Checkpoint(AutoTrackable):
       Whatever an object's ``_restore_from_arrays`` raises, with its path
       (nothing is restored then).
     """
-    directory = storage.absolute_path(path)
-    if hosts.is_primary():
+    directory = orbax_io.absolute_path(path)
+    if processes.is_primary():
       _recover(directory)
-    hosts.barrier("jaxres: checkpoint recovered")
+    processes.barrier("jaxres: checkpoint recovered")
     contents = manifest.read(directory)
-    arrays = storage.load_arrays(directory, contents["arrays"])
+    arrays = orbax_io.load_arrays(directory, contents["arrays"])
     return restoring.restore(self._root, manifest.Reader(contents, arrays, directory))
 
 
 def collect(root: Any) -> tuple[dict, dict]:
   """``(manifest, arrays)`` of the graph below ``root`` now (arrays copied to the host)."""
   nodes, arrays = saving.collect(root)
-  return manifest.build(nodes, {key: storage.spec_of(value) for key, value in arrays.items()}), arrays
+  return manifest.build(nodes, {key: orbax_io.spec_of(value) for key, value in arrays.items()}), arrays
 
 
 def _staging(path: str) -> str:
   """A new directory beside ``path`` that this save writes to (made by process 0, named alike on all)."""
   parent, name = os.path.split(path)
-  staging = os.path.join(parent, f".{name}.saving-{hosts.agreed(secrets.randbelow(2**31))}")
-  if hosts.is_primary():
+  staging = os.path.join(parent, f".{name}.saving-{processes.agreed(secrets.randbelow(2**31))}")
+  if processes.is_primary():
     os.makedirs(parent, exist_ok=True)
     _recover(path)
     os.mkdir(staging)
-  hosts.barrier("jaxres: checkpoint staged")
+  processes.barrier("jaxres: checkpoint staged")
   return staging
 
 

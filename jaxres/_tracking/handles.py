@@ -2,15 +2,16 @@
 
 A handle gives the object's kind, children and arrays, and restores it. The
 walkers (:mod:`saving`, :mod:`restoring`) only use handles, so they know no
-kind's internals. Handles come from the object itself where it can:
+kind's internals. Each type's handle is registered for it (:func:`register`;
+a subclass gets its closest base's):
 
-* a :class:`jaxres.Trackable` implements the protocol (:class:`TrackableHandle`);
-* a value with ``_serialize_to_arrays`` and ``_from_arrays`` (a functional
-  table) is restored by replacing it (:class:`ValueHandle`);
-* other types get a handle from an adapter registered for them
-  (:func:`register`; the NNX adapters live in ``jaxres._integrations``);
-* arrays, lists, tuples, dicts and other pytrees of arrays have the handles
-  below.
+* a :class:`jaxres.Trackable` implements the protocol itself (:class:`TrackableHandle`);
+* a functional table is a value restored by replacing it (:class:`ValueHandle`);
+* JAX and NumPy arrays (:class:`ArrayHandle`);
+* NNX objects and variables (registered by ``jaxres._integrations.nnx``).
+
+Lists, tuples and dicts holding such objects are containers of children, and
+other pytrees of arrays one value (the handles below).
 
 Objects for which :func:`handle_for` returns ``None`` (numbers, strings,
 callables) are not part of the graph.
@@ -26,18 +27,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxres import _errors as errors
 from jaxres._core.pytrees import leaf_names
+from jaxres._core.table import Table
 from jaxres._shell.trackable import Commit, Trackable
 from jaxres._tracking import paths
 
 ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 CONTAINERS = (list, tuple, dict)
-_ADAPTERS: dict[type, Callable[[Any], Handle]] = {}
+
+
+@functools.singledispatch
+def _registered(obj: Any) -> Handle | None:
+  """The handle registered for ``type(obj)`` (or its closest registered base), else ``None``."""
+  del obj
+  return None
 
 
 def register(cls: type, factory: Callable[[Any], Handle]) -> None:
   """Makes ``factory(obj)`` the handle of objects of ``cls`` (and its subclasses)."""
-  _ADAPTERS[cls] = factory
+  _registered.register(cls)(factory)
+
+
+def _has_handle(cls: type) -> bool:
+  return _registered.dispatch(cls) is not _registered.dispatch(object)
 
 
 def type_name(obj: Any) -> str:
@@ -121,24 +134,24 @@ class TrackableHandle(Handle):
     return self.obj._serialize_to_arrays()
 
   def holds_values(self) -> bool:
-    return type(self.obj)._serialize_to_arrays is not Trackable._serialize_to_arrays
+    return self.obj._holds_arrays()
 
   def restore(self, arrays):
     return self.obj, self.obj._prepare_restore(arrays)
 
   def replace(self, replaced):
     current = self.obj._trackable_children()
-    default = type(self.obj)._replace_trackable_child is Trackable._replace_trackable_child
     commits = []
     for relative, new in replaced.items():
       name = self._name(relative)
-      if default and getattr(self.obj, name, None) is not current[name]:
-        raise TypeError(
-          f"{relative}: a {type(self.obj).__name__} keeps this child elsewhere than in its attribute "
-          f"{name!r}; define _replace_trackable_child to restore it."
-        )
-      commits.append(setting(functools.partial(self.obj._replace_trackable_child, name), current[name], new))
+      commits.append(setting(functools.partial(self._put, relative, name), current[name], new))
     return self.obj, commits
+
+  def _put(self, relative: str, name: str, value: Any) -> None:
+    try:
+      self.obj._replace_trackable_child(name, value)
+    except Exception as err:
+      raise errors.at_path(relative, err) from err
 
   def defer(self, relative, new_queue):
     return self.obj._defer_restore(self._name(relative), new_queue)
@@ -253,15 +266,9 @@ def handle_for(obj: Any, *, containers: bool = True, _within: frozenset = frozen
   (``_within``: the containers being examined around ``obj``; a container
   holding itself is not content on its own account.)
   """
-  if isinstance(obj, Trackable):
-    return TrackableHandle(obj)
-  if callable(getattr(type(obj), "_from_arrays", None)):
-    return ValueHandle(obj)
-  adapter = _adapter(type(obj))
-  if adapter is not None:
-    return adapter(obj)
-  if isinstance(obj, ARRAY_TYPES):
-    return ArrayHandle(obj)
+  handle = _registered(obj)
+  if handle is not None:
+    return handle
   if containers and type(obj) in CONTAINERS:
     within = _within | {id(obj)}
     items = obj.values() if isinstance(obj, dict) else obj
@@ -284,17 +291,9 @@ def handle_for(obj: Any, *, containers: bool = True, _within: frozenset = frozen
   return PytreeHandle(obj)
 
 
-def _adapter(cls: type):
-  for klass in cls.__mro__:
-    if klass in _ADAPTERS:
-      return _ADAPTERS[klass]
-  return None
-
-
 def _is_special(x: Any) -> bool:
-  """Objects with handles of their own, which a generic pytree must not take apart."""
-  has_handle = _adapter(type(x)) is not None or callable(getattr(type(x), "_from_arrays", None))
-  return isinstance(x, Trackable) or has_handle
+  """Objects with handles of their own (arrays aside), which a generic pytree must not take apart."""
+  return _has_handle(type(x)) and not isinstance(x, ARRAY_TYPES)
 
 
 def _is_content(item: Any, within: frozenset) -> bool:
@@ -343,3 +342,9 @@ def _like(old: Any, saved: np.ndarray, name: str) -> Any:
   if isinstance(old, np.generic):
     return saved[()]
   return np.array(saved)
+
+
+register(Trackable, TrackableHandle)
+register(Table, ValueHandle)
+for _array_type in ARRAY_TYPES:
+  register(_array_type, ArrayHandle)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxres._tracking import manifest, storage
+from jaxres._tracking import manifest, orbax_io
 
 
 def inspect_checkpoint(path) -> list[dict]:
@@ -24,7 +24,7 @@ def inspect_checkpoint(path) -> list[dict]:
     >>> jr.inspect_checkpoint(path)[2]["arrays"]
     [{'name': 'value', 'shape': [], 'dtype': 'int32'}]
   """
-  contents = manifest.read(storage.absolute_path(path))
+  contents = manifest.read(orbax_io.absolute_path(path))
   specs = contents["arrays"]
   entries = []
   for node_path, node in sorted(contents["nodes"].items()):

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxres._core import hosts
-from jaxres._core.hosts import Blocks
+from jaxres._core import processes
+from jaxres._core.processes import Blocks
 from jaxres._tracking import paths
 
 MANIFEST = "manifest.json"
@@ -31,6 +31,14 @@ VERSION = 2
 def build(nodes: dict[str, dict], specs: dict[str, dict]) -> dict:
   """A manifest from the graph's nodes and the specs of its arrays."""
   return {"format": FORMAT, "version": VERSION, "nodes": nodes, "arrays": specs}
+
+
+def write(directory: str, manifest: dict) -> None:
+  """Writes ``manifest`` into a checkpoint directory, synced to disk (read back by :func:`read`)."""
+  with open(os.path.join(directory, MANIFEST), "w", encoding="utf-8") as f:
+    json.dump(manifest, f)
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def read(directory: str) -> dict:
@@ -114,7 +122,7 @@ class Reader:
     arrays = {name: self._arrays[key] for name, key in self.node(path)["arrays"].items()}
     if parts:
       return arrays
-    return {name: hosts.whole(a) if isinstance(a, Blocks) else a for name, a in arrays.items()}
+    return {name: processes.whole(a) if isinstance(a, Blocks) else a for name, a in arrays.items()}
 
   def retain(self, node_paths) -> None:
     """Keeps only the arrays of the objects at ``node_paths`` and below (what pending restores need)."""

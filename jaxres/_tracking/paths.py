@@ -12,8 +12,10 @@ _ESCAPES = (("%", "%25"), ("/", "%2F"), (".", "%2E"))
 
 def escape(name: str) -> str:
   """One local name, escaped for use in a path."""
-  if not isinstance(name, str) or not name:
-    raise ValueError(f"name: expected a non-empty str, got {name!r}.")
+  if not isinstance(name, str):
+    raise TypeError(f"name: expected a non-empty str, got {name!r}.")
+  if not name:
+    raise ValueError("name: expected a non-empty str, got ''.")
   for raw, escaped in _ESCAPES:
     name = name.replace(raw, escaped)
   return name

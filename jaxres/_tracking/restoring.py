@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from jaxres import _errors as errors
 from jaxres._shell.trackable import Commit
 from jaxres._tracking import paths
 from jaxres._tracking.handles import Handle, handle_for
@@ -120,7 +121,7 @@ class Transaction:
         try:
           undo = commit()
         except Exception as err:
-          raise _at(path, err) from err
+          raise errors.at_path(path, err) from err
         if undo is not None:
           undos.append(undo)
     except BaseException:
@@ -149,13 +150,18 @@ class Plan:
     reader = self.restore.reader
     node_path = reader.canonical(node_path)
     node = reader.nodes[node_path]
-    handle = _checked(path, lambda: handle_for(obj))
+    try:
+      handle = handle_for(obj)
+    except Exception as err:
+      raise errors.at_path(path, err) from err
     if handle is None or handle.kind != node["kind"]:
       got = type(obj).__name__ + (
         ", which cannot be checkpointed" if handle is None else f" (kind {handle.kind})"
       )
       saved = node["type"].rsplit(".", 1)[-1]
-      raise TypeError(f"{_shown(path)}: the checkpoint holds {saved} (kind {node['kind']}), got {got}.")
+      raise TypeError(
+        f"{path or errors.ROOT}: the checkpoint holds {saved} (kind {node['kind']}), got {got}."
+      )
     number = self.restore.number
     if handle.shared:
       seen = self.ledger.objects.get(obj, self.restore.ledger.objects.get(obj))
@@ -177,12 +183,18 @@ class Plan:
     self.ledger.consumed.add(node_path)
     new = obj
     if not frozen:
-      new, commit = _checked(path, lambda: handle.restore(reader.arrays(node_path, handle.takes_parts)))
+      try:
+        new, commit = handle.restore(reader.arrays(node_path, handle.takes_parts))
+      except Exception as err:
+        raise errors.at_path(path, err) from err
       if commit is not None:
         self.changes.append((path, commit))
     replaced = self._visit_children(handle, path, node_path, node, frozen and not handle.shared)
     if replaced:
-      new, commits = _checked(path, lambda: handle.replace(replaced))
+      try:
+        new, commits = handle.replace(replaced)
+      except Exception as err:
+        raise errors.at_path(path, err) from err
       self.changes += [(path, commit) for commit in commits]
       if handle.shared:
         for child in replaced:
@@ -191,7 +203,10 @@ class Plan:
 
   def _visit_children(self, handle: Handle, path: str, node_path: str, node: dict, inherited: bool) -> dict:
     """Visits the children; returns the new values of those that are replaced (relative path -> value)."""
-    program = _checked(path, handle.children)
+    try:
+      program = handle.children()
+    except Exception as err:
+      raise errors.at_path(path, err) from err
     owner = handle.obj if handle.shared else None
     replaced = {}
     for relative in node["children"]:
@@ -306,24 +321,3 @@ def _holds_state(obj: Any, seen: set[int]) -> bool:
   if handle is None:
     return False
   return handle.holds_values() or any(_holds_state(c, seen) for c in handle.children().values())
-
-
-def _checked(path: str, action: Callable[[], Any]) -> Any:
-  """``action()``, its errors renamed to name ``path``."""
-  try:
-    return action()
-  except Exception as err:
-    raise _at(path, err) from err
-
-
-def _at(path: str, err: Exception) -> Exception:
-  """``err`` with the path in front of its message (same type where it can be built from a message)."""
-  message = f"{_shown(path)}: {err}"
-  try:
-    return type(err)(message)
-  except Exception:
-    return RuntimeError(f"{_shown(path)}: {type(err).__name__}: {err}")
-
-
-def _shown(path: str) -> str:
-  return path or "<root>"

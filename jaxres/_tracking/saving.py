@@ -7,7 +7,6 @@ its shortest (the first met) and its other paths become aliases.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -15,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxres._core import hosts
+from jaxres import _errors as errors
+from jaxres._core import processes
 from jaxres._tracking import paths
 from jaxres._tracking.handles import Handle, handle_for, type_name
 
@@ -48,11 +48,19 @@ def collect(root: Any) -> tuple[dict[str, dict], dict[str, np.ndarray | jax.Arra
       first_path[id(handle.obj)] = path
       held.append(handle.obj)
     node = {"kind": handle.kind, "type": type_name(handle.obj), "arrays": {}, "children": []}
-    for name, value in _named(path, handle.arrays).items():
+    try:
+      named_arrays = handle.arrays()
+    except (TypeError, ValueError) as err:
+      raise errors.at_path(path, err) from err
+    for name, value in named_arrays.items():
       key = f"e{len(arrays)}"
       arrays[key] = _host_copy(value, name, path)
       node["arrays"][name] = key
-    for relative, child in _named(path, handle.children).items():
+    try:
+      children = handle.children()
+    except (TypeError, ValueError) as err:
+      raise errors.at_path(path, err) from err
+    for relative, child in children.items():
       child_path = paths.join(path, relative)
       child_handle = _handle(child, child_path)
       if child_handle is None:
@@ -69,15 +77,10 @@ def collect(root: Any) -> tuple[dict[str, dict], dict[str, np.ndarray | jax.Arra
 
 
 def _handle(obj: Any, path: str) -> Handle | None:
-  return _named(path, lambda: handle_for(obj))
-
-
-def _named(path: str, action: Callable[[], Any]) -> Any:
-  """``action()``; a ``TypeError`` or ``ValueError`` it raises names ``path``."""
   try:
-    return action()
+    return handle_for(obj)
   except (TypeError, ValueError) as err:
-    raise type(err)(f"{path or '<root>'}: {err}") from err
+    raise errors.at_path(path, err) from err
 
 
 def _host_copy(value: Any, name: str, path: str) -> np.ndarray | jax.Array:
@@ -89,8 +92,8 @@ def _host_copy(value: Any, name: str, path: str) -> np.ndarray | jax.Array:
   """
   if not isinstance(name, str) or not name:
     raise TypeError(f"{path}: array names must be non-empty str, got {name!r}.")
-  if hosts.is_partitioned(value):
-    if hosts.rows_only(value) and value.dtype.kind in _SAVABLE:
+  if processes.is_partitioned(value):
+    if processes.rows_only(value) and value.dtype.kind in _SAVABLE:
       return jnp.copy(value)
     value = multihost_utils.process_allgather(value, tiled=True)
   array = np.array(value, copy=True)

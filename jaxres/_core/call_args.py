@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxres._core import codec
-from jaxres._core.eviction import Evicted
-from jaxres._core.rows import select_rows
+from jaxres._core.encoding import key_specs
+from jaxres._core.kernels.row_ops import select_rows
+from jaxres._core.policies import Evicted
 
 _MIN_EAGER_ROWS = 8
 NO_VALUES = object()  # a call that takes keys only (``None`` is a bad value, not no value)
@@ -56,7 +56,7 @@ def prepare(
   active = check_valid(valid, batch)
   inserts = values is not NO_VALUES if inserts is None else inserts
   given = _given(table, scores, batch, inserts, explicit_scores)
-  if codec.is_traced(words) or not n:
+  if key_specs.is_traced(words) or not n:
     return Rows(words, leaves, active, given, n, batch)
   size = max(_MIN_EAGER_ROWS, 1 << (n - 1).bit_length())
 
@@ -161,19 +161,25 @@ def row_index(index) -> tuple[jax.Array, tuple[int, ...], int]:
     raise TypeError(f"index: expected int32 rows (from find_rows or find_or_insert_rows), got {index.dtype}.")
   batch, n = tuple(index.shape), math.prod(index.shape)
   index = index.reshape(-1).astype(jnp.int32)
-  if codec.is_traced(index) or not n:
+  if key_specs.is_traced(index) or not n:
     return index, batch, n
   size = max(_MIN_EAGER_ROWS, 1 << (n - 1).bit_length())
   return jnp.pad(index, (0, size - n), constant_values=-1), batch, n
 
 
 def check_valid(valid, batch) -> jax.Array | None:
-  """``valid`` as a flat mask (``None`` stays ``None``); ``ValueError`` unless it is ``bool[*batch]``."""
+  """``valid`` as a flat mask (``None`` stays ``None``).
+
+  Raises:
+    TypeError: ``valid`` is not boolean.
+    ValueError: its shape is not the batch's.
+  """
   if valid is None:
     return None
   active = valid if isinstance(valid, jax.Array) else np.asarray(valid)
   if active.dtype != bool or active.shape != batch:
-    raise ValueError(f"valid: expected bool{list(batch)}, got {active.dtype}{list(active.shape)}.")
+    error = TypeError if active.dtype != bool else ValueError
+    raise error(f"valid: expected bool{list(batch)}, got {active.dtype}{list(active.shape)}.")
   return active.reshape(-1)
 
 
@@ -196,7 +202,7 @@ def _given(table, scores, batch, names_keys: bool, explicit: bool) -> jax.Array 
       raise TypeError(f"scores: expected uint32 scores, got {scores.dtype}; cast with .astype(jnp.uint32).")
     array = scores
   else:
-    array = codec.host_integers(scores, np.dtype(np.uint32), "scores")
+    array = key_specs.host_integers(scores, np.dtype(np.uint32), "scores")
   if array.shape != batch:
     raise ValueError(f"scores: expected shape {batch} (one per key), got {tuple(array.shape)}.")
   return array.reshape(-1)

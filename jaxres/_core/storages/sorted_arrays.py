@@ -1,7 +1,7 @@
 """A sorted array of keys searched by vectorised binary search.
 
 Keys are kept in ascending order of their words (which is ascending key order,
-see :mod:`codec`) in the prefix ``[0, count)`` of ``capacity`` rows. Removal
+see :mod:`key_specs`) in the prefix ``[0, count)`` of ``capacity`` rows. Removal
 clears a ``live`` flag and leaves the key in place as a tombstone, so finds,
 updates, removals and re-insertions of removed keys are all
 O(batch x log capacity). Only keys that were never present need the array to
@@ -20,14 +20,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxres._core import batch as batch_lib
-from jaxres._core import claims, codec, native
-from jaxres._core.eviction import check_policy
+from jaxres._core.encoding import key_specs
+from jaxres._core.encoding.value_specs import ValueSpec
+from jaxres._core.kernels import claims, grouping, native
+from jaxres._core.kernels.row_ops import select_rows, take_rows
+from jaxres._core.modes import Upsert
+from jaxres._core.policies import check_policy
 from jaxres._core.pytrees import pytree_dataclass, static_field
-from jaxres._core.rows import select_rows, take_rows
-from jaxres._core.storage import Storage, empty_fields
+from jaxres._core.storages.storage import Storage, empty_fields
 from jaxres._core.table import Table, check_capacity
-from jaxres._core.values import ValueSpec
 
 
 def _less(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -68,7 +69,7 @@ class SortedTable(Storage):
   clock: jax.Array  # shape=(), dtype=uint32
   evictions: jax.Array  # shape=(), dtype=int32: always 0
   capacity: int = static_field()
-  key_spec: codec.KeySpec = static_field()
+  key_spec: key_specs.KeySpec = static_field()
   value_spec: ValueSpec = static_field()
   eviction: None = static_field()
 
@@ -155,36 +156,36 @@ class SortedTable(Storage):
     return self.keys, self.live
 
 
-def _update_existing(table: SortedTable, leaves, slot, active, mode: str) -> tuple[SortedTable, list]:
+def _update_existing(table: SortedTable, leaves, slot, active, mode: Upsert) -> tuple[SortedTable, list]:
   """insert / find_or_insert when every active key is present: no grouping by sorting."""
-  if mode == "insert":
+  if not mode.keeps_present:
     active = jnp.ones(slot.shape, bool) if active is None else active
     return table._put_last(table._row_of(slot), leaves, active), []
   return table, take_rows(table.values, slot)
 
 
-def _sorted_upsert(table: SortedTable, words, leaves, active, mode: str) -> tuple[SortedTable, list]:
+def _sorted_upsert(table: SortedTable, words, leaves, active, mode: Upsert) -> tuple[SortedTable, list]:
   """insert / find_or_insert with new keys: group the batch by sorting, admit in batch order.
 
   Exact in every case, including a batch that overflows the table (the new
   keys admitted are those a one-at-a-time loop would have inserted).
   """
-  groups = batch_lib.group(words, active)
+  groups = grouping.group(words, active)
   rows = take_rows(leaves, groups.perm)
   found, slot = table._locate(groups.words)
-  if mode == "insert":
+  if not mode.keeps_present:
     rows = take_rows(rows, groups.end)
   heads = groups.head & groups.active
   new = heads & ~found
-  rank = batch_lib.first_occurrence_rank(groups, new)
+  rank = grouping.first_occurrence_rank(groups, new)
   admitted = new & (rank < table.capacity - table.size)
   num_admitted = jnp.sum(admitted, dtype=jnp.int32)
 
   out = []
-  if mode == "first":
+  if mode.keeps_present:
     defaults = [jnp.broadcast_to(d, x.shape) for d, x in zip(table.default, rows)]
     out = select_rows(found, take_rows(table.values, slot), select_rows(admitted, rows, defaults))
-    out = batch_lib.unsort(groups, take_rows(out, groups.start))
+    out = grouping.unsort(groups, take_rows(out, groups.start))
   else:
     table = table._write(slot, rows, heads & found)
   table = table._place(groups, admitted, rows)

@@ -23,10 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxres._core import claims, native
-from jaxres._core.buckets import Layout
+from jaxres._core import constants
+from jaxres._core.kernels import claims, native
+from jaxres._core.storages.buckets import Layout
 
-WINDOW = 2  # buckets a new key may look in: its home bucket, then the next if nothing there is lower
+WINDOW = constants.EVICTION_WINDOW  # buckets a new key may look in: its home, then the next
 _NO_SCORE = np.uint32(np.iinfo(np.uint32).max)
 
 

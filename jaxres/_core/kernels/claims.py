@@ -17,17 +17,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxres._core import native
-from jaxres._core.hashing import hash_words
+from jaxres._core import constants
+from jaxres._core.encoding.hashing import hash_words
+from jaxres._core.kernels import native
 
 _FREE = np.int32(np.iinfo(np.int32).max)  # an unclaimed scratch cell
-_MIX = np.uint32(0x9E3779B1)
-_CELLS_PER_ROW = 8  # scratch cells per batch row: few collisions between slots
+_MIX = np.uint32(constants.GOLDEN_MIX)
 
 
 def chunk_size(n: int) -> int:
   """Rows handled per round of a loop that only rare rows enter."""
-  return min(n, max(64, n // 8))
+  return min(n, max(constants.CHUNK_MIN_ROWS, n // constants.CHUNK_FRACTION))
 
 
 def prefix_sum(x: jax.Array) -> jax.Array:
@@ -61,12 +61,12 @@ def pending_rows(mask: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
 
 def scratch_size(n: int) -> int:
   """Scratch cells for a batch of ``n`` rows (a power of two)."""
-  return 1 << max(1, (_CELLS_PER_ROW * n - 1).bit_length())
+  return 1 << max(1, (constants.CELLS_PER_ROW * n - 1).bit_length())
 
 
 def cell_of(slot: jax.Array, rounds: jax.Array, size: int) -> jax.Array:
   """Scratch cell of each slot in claim round ``rounds`` (a fresh hash per round)."""
-  mixed = (slot.astype(jnp.uint32) ^ (rounds.astype(jnp.uint32) * np.uint32(0x85EBCA6B))) * _MIX
+  mixed = (slot.astype(jnp.uint32) ^ (rounds.astype(jnp.uint32) * np.uint32(constants.ROUND_MIX))) * _MIX
   return (mixed >> np.uint32(33 - size.bit_length())).astype(jnp.int32)
 
 
@@ -101,7 +101,7 @@ def _owner_per_key(words, mask, last):
   order = jnp.arange(n, dtype=jnp.int32)
   rows = order[::-1] if last else order  # claim priority: position in `rows`
   ranked_words, ranked_mask = words[rows], mask[rows]
-  ranked_hash = hash_words(ranked_words, seed=0x0C1A)
+  ranked_hash = hash_words(ranked_words, seed=constants.GROUPING_SEED)
 
   def body(state):
     # Rows of one key share its cell, so they settle together, on the lowest of them.

@@ -9,7 +9,7 @@ With several processes (``jax.distributed``) every process calls these
 functions together. A global array split by rows over the processes (a
 sharded table's blocks) is written shard by shard, each process its own
 (Orbax's multi-process arrays), with a checksum per row; reading it back,
-each process reads whole rows of its share (:class:`hosts.Blocks`), so no
+each process reads whole rows of its share (:class:`processes.Blocks`), so no
 host holds all of it. Other arrays are written once and read by every process.
 """
 
@@ -22,8 +22,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxres._core import hosts
-from jaxres._core.hosts import Blocks
+from jaxres._core import processes
+from jaxres._core.processes import Blocks
 
 ARRAYS_DIR = "arrays"
 
@@ -39,12 +39,12 @@ def absolute_path(path, name: str = "path") -> str:
 def spec_of(array: np.ndarray | jax.Array) -> dict:
   """The JSON description of an array entry, with a checksum of its bytes (of each row when split by rows)."""
   spec = {"shape": list(array.shape), "dtype": str(array.dtype)}
-  if not hosts.is_partitioned(array):
+  if not processes.is_partitioned(array):
     return spec | {"crc32": _checksum(array)}
   local = np.full(array.shape[0], -1, np.int64)
-  for row, data in hosts.local_rows(array).items():
+  for row, data in processes.local_rows(array).items():
     local[row] = _checksum(data)
-  return spec | {"crc32": hosts.everywhere(local).max(axis=0).tolist()}
+  return spec | {"crc32": processes.everywhere(local).max(axis=0).tolist()}
 
 
 def _checksum(array: np.ndarray) -> int:
@@ -96,7 +96,7 @@ def _targets(specs: dict[str, dict]) -> dict:
       continue
     split = isinstance(spec.get("crc32"), list) and jax.process_count() > 1
     if split and jax.dtypes.canonicalize_dtype(dtype) == dtype:
-      targets[key] = jax.ShapeDtypeStruct(shape, dtype, sharding=hosts.reading_sharding(shape[0]))
+      targets[key] = jax.ShapeDtypeStruct(shape, dtype, sharding=processes.reading_sharding(shape[0]))
     else:
       targets[key] = np.empty(shape, dtype)
   return targets
@@ -111,7 +111,7 @@ def _fill(label: str, specs: dict[str, dict], restored: dict) -> dict[str, np.nd
         raise ValueError(f"{label}: array {key} is missing from the checkpoint.")
       value = restored[key]
       if isinstance(value, jax.Array):  # this process's rows of a row-split array
-        value = Blocks(tuple(value.shape), np.dtype(value.dtype), hosts.local_rows(value))
+        value = Blocks(tuple(value.shape), np.dtype(value.dtype), processes.local_rows(value))
       else:
         value = np.asarray(value)
     else:

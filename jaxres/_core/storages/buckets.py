@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxres._core.hashing import hash_words
+from jaxres._core import constants
+from jaxres._core.encoding.hashing import hash_words
 
-LINE_WORDS = 16  # uint32 words per 64-byte cache line
+LINE_WORDS = constants.LINE_WORDS  # uint32 words per 64-byte cache line
 
 
 @dataclasses.dataclass(frozen=True)

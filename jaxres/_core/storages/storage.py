@@ -23,9 +23,10 @@ import operator
 import jax
 import jax.numpy as jnp
 
-from jaxres._core import claims
-from jaxres._core.eviction import Policy
-from jaxres._core.rows import select_rows, take_rows, write_rows
+from jaxres._core.kernels import claims
+from jaxres._core.kernels.row_ops import select_rows, take_rows, write_rows
+from jaxres._core.modes import Carry, Upsert
+from jaxres._core.policies import Policy
 from jaxres._core.table import Table
 
 
@@ -95,7 +96,7 @@ class Storage(Table):
     """find_or_insert_rows over :meth:`_upsert_rows`: a storage whose rows move on insert (sorted)."""
     found = self._locate(words)[0] & (True if active is None else active)
     defaults = [jnp.broadcast_to(d, (words.shape[0], *d.shape)) for d in self.default]
-    table, _, evicted = self._upsert_rows(words, defaults, active, "first", given, weights)
+    table, _, evicted = self._upsert_rows(words, defaults, active, Upsert.FIND_OR_INSERT, given, weights)
     index = table._find_rows(words)
     if active is not None:
       index = jnp.where(active, index, -1)
@@ -150,7 +151,7 @@ class Storage(Table):
     reduction = exact_reduction(fn, table.value_spec)
     if reduction is not None:
       target = jnp.where(pending, row, table.capacity)
-      values = tuple(getattr(v.at[target], reduction)(x, mode="drop") for v, x in zip(table.values, leaves))
+      values = tuple(reduction.scatter(v.at[target], x) for v, x in zip(table.values, leaves))
       return dataclasses.replace(table, values=values)
     table, _ = jax.lax.while_loop(lambda s: jnp.any(s[1]), fold, (table, pending))
     return table
@@ -228,21 +229,21 @@ class Storage(Table):
 # Reductions whose result on integers does not depend on the order of the
 # operands, so one scatter equals the in-order fold exactly.
 _ORDER_FREE = {
-  jnp.add: "add",
-  jax.lax.add: "add",
-  operator.add: "add",
-  jnp.multiply: "multiply",
-  jax.lax.mul: "multiply",
-  operator.mul: "multiply",
-  jnp.maximum: "max",
-  jax.lax.max: "max",
-  jnp.minimum: "min",
-  jax.lax.min: "min",
+  jnp.add: Carry.ADD,
+  jax.lax.add: Carry.ADD,
+  operator.add: Carry.ADD,
+  jnp.multiply: Carry.MULTIPLY,
+  jax.lax.mul: Carry.MULTIPLY,
+  operator.mul: Carry.MULTIPLY,
+  jnp.maximum: Carry.MAX,
+  jax.lax.max: Carry.MAX,
+  jnp.minimum: Carry.MIN,
+  jax.lax.min: Carry.MIN,
 }
 
 
-def exact_reduction(fn, value_spec) -> str | None:
-  """The scatter method equal to folding with ``fn`` (``"add"``, ``"max"``...), or None to fold in order.
+def exact_reduction(fn, value_spec) -> Carry | None:
+  """The reduction equal to folding with ``fn`` (``Carry.ADD``, ``Carry.MAX``...), or None to fold in order.
 
   Only integer leaves make a sum or product independent of the order.
   """

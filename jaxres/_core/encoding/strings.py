@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxres._core.args import check_int
+from jaxres._errors import check_int
 
 
 def string_width(max_length: int) -> int:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxres._core import claims, native
+from jaxres._core.kernels import claims, native
 
 
 class Groups(NamedTuple):

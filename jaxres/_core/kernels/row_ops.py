@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxres._core import claims, native
+from jaxres._core.kernels import claims, native
 
 
 def take_rows(leaves, index):

@@ -16,7 +16,7 @@ inserted (see :mod:`buckets` for the records).
 * **Exact when full.** When a batch might not fit, the sort-based admission
   (:func:`batch.admit`) takes new keys in batch order. Without an eviction
   policy the others are counted in ``dropped``; with one they evict
-  (:mod:`evicting`).
+  (:mod:`eviction_rounds`).
 """
 
 from __future__ import annotations
@@ -30,18 +30,22 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxres._core import calls, claims, codec, evicting, native, placing
-from jaxres._core.args import check_int
-from jaxres._core.buckets import LINE_WORDS, Layout
-from jaxres._core.eviction import LRU, Policy, check_policy
+from jaxres._core import call_args, constants
+from jaxres._core.encoding import key_specs
+from jaxres._core.encoding.value_specs import ValueSpec
+from jaxres._core.kernels import claims, native
+from jaxres._core.kernels.row_ops import read_rows, select_rows, take_rows
+from jaxres._core.modes import Upsert
+from jaxres._core.policies import Policy, check_policy
 from jaxres._core.pytrees import pytree_dataclass, static_field
-from jaxres._core.rows import read_rows, select_rows, take_rows
-from jaxres._core.storage import Storage, empty_fields
+from jaxres._core.storages import eviction_rounds, placing
+from jaxres._core.storages.buckets import LINE_WORDS, Layout
+from jaxres._core.storages.storage import Storage, empty_fields
 from jaxres._core.table import check_capacity
-from jaxres._core.values import ValueSpec
+from jaxres._errors import check_int
 
 _MAX_LOAD = 0.5  # live entries per slot at full capacity: short probe chains
-_EVICTION_BUCKET = 8  # slots per bucket of a table that evicts: a new key's candidates (measured)
+_EVICTION_BUCKET = constants.EVICTING_BUCKET_SIZE
 
 
 @pytree_dataclass
@@ -71,7 +75,7 @@ class OpenAddressingTable(Storage):
   clock: jax.Array  # shape=(), dtype=uint32
   evictions: jax.Array  # shape=(), dtype=int32
   capacity: int = static_field()
-  key_spec: codec.KeySpec = static_field()
+  key_spec: key_specs.KeySpec = static_field()
   value_spec: ValueSpec = static_field()
   eviction: Policy | None = static_field()
   bucket_size: int = static_field()
@@ -141,12 +145,12 @@ class OpenAddressingTable(Storage):
 
   def _placed(self, keys, values, scores, slots):
     empty = self._cleared()
-    rows = calls.prepare(empty, keys, values, scores=scores, explicit_scores=True)
+    rows = call_args.prepare(empty, keys, values, scores=scores, explicit_scores=True)
     (slots,) = slots.values()
     check_slots(rows.words[: rows.n], slots, self.num_slots)
     if not rows.n:
       return empty
-    slots = calls.pad_to(jnp.asarray(slots, jnp.int32), rows)
+    slots = call_args.pad_to(jnp.asarray(slots, jnp.int32), rows)
     return _jit_place(empty, rows.words, rows.leaves, rows.given, slots, rows.active)
 
   def _place_rows(self, words, leaves, given, slots, valid):
@@ -272,7 +276,7 @@ class OpenAddressingTable(Storage):
     return table, out, evicted
 
   def _claim_rows(self, words, active, given=None, weights=None):
-    table, claim = self._claim(words, active, "first", given, weights)
+    table, claim = self._claim(words, active, Upsert.FIND_OR_INSERT, given, weights)
     stored = claim.found | claim.placed
     row = jnp.where(stored, claim.row, -1)
     victims = claim.victims
@@ -334,7 +338,7 @@ class OpenAddressingTable(Storage):
     """The values of an insert or find_or_insert whose keys have rows: ``(table, out)``."""
     index = jnp.arange(words.shape[0], dtype=jnp.int32)
     found, placed, row, first = claim.found, claim.placed, claim.row, claim.first
-    if mode == "insert":
+    if not mode.keeps_present:
       return self._put_last(row, leaves, found | placed), []
     defaults = [jnp.broadcast_to(d, x.shape) for d, x in zip(self.default, leaves)]
     new_values = select_rows(placed, take_rows(leaves, first), defaults)
@@ -358,7 +362,9 @@ class OpenAddressingTable(Storage):
     grouped = to_evict if given is None and not self.eviction.counts else named
     first = jnp.where(grouped, claims.owner_per_key(words, grouped), first)
     # The last row of each key: whose value an insert keeps, whose score was given.
-    last = claims.owner_per_key(words, named, last=True) if mode == "insert" or given is not None else first
+    last = (
+      claims.owner_per_key(words, named, last=True) if not mode.keeps_present or given is not None else first
+    )
     stored = found | admitted
     if given is not None:  # scores given explicitly (CustomScore, or entries moved by resize and import)
       score = given[last]
@@ -373,8 +379,8 @@ class OpenAddressingTable(Storage):
     scores = self.slot_scores.at[jnp.where(stored & heads, slot, self.slot_scores.shape[0])].set(
       score, mode="drop"
     )
-    protect = None if isinstance(self.eviction, LRU) and given is None else jnp.where(stored, slot, -1)
-    outcome = evicting.evict(
+    protect = None if self.eviction.names_newest and given is None else jnp.where(stored, slot, -1)
+    outcome = eviction_rounds.evict(
       self.layout, self.buckets.reshape(-1), scores, words, to_evict & heads, score, protect
     )
     # Rows of a key that had to evict follow its first row.
@@ -393,7 +399,7 @@ class OpenAddressingTable(Storage):
       scores=jnp.where(refused, score, outcome.victim_score),
       valid=refused | (heads & outcome.placed),
       refused=refused,
-      offered=last if mode == "insert" else first,
+      offered=first if mode.keeps_present else last,
     )
     row = jnp.where(placed, victim_row[first], row)
     return table, Claim(found, admitted | placed, row, first, victims)

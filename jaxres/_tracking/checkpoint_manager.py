@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 
-from jaxres._core.args import check_int
+from jaxres._errors import check_int
 from jaxres._tracking import manifest, restoring
 from jaxres._tracking.checkpoint import Checkpoint, collect
+from jaxres._tracking.orbax_io import StepStore, absolute_path
 from jaxres._tracking.status import LoadStatus
-from jaxres._tracking.storage import StepStore, absolute_path
 
 
 class CheckpointManager:

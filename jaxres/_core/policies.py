@@ -28,6 +28,9 @@ class Policy(abc.ABC):
 
   takes_scores = False  # whether calls must pass ``scores=``
   counts = False  # whether scores depend on how often a call names a key
+  # Whether every key a call names scores above every entry it does not (its score is the
+  # clock, which the call advanced): the named entries then need no protection from eviction.
+  names_newest = False
 
   @abc.abstractmethod
   def score(self, old: jax.Array, count: jax.Array, clock: jax.Array) -> jax.Array:
@@ -58,6 +61,8 @@ class LRU(Policy):
     >>> evicted.keys.tolist(), t.find(jnp.array([1, 2, 3])).tolist()
     ([2], [1.5, 0.0, 3.0])
   """
+
+  names_newest = True
 
   def score(self, old, count, clock):
     return jnp.broadcast_to(clock, old.shape)

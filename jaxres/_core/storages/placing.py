@@ -27,12 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxres._core import batch as batch_lib
-from jaxres._core import claims, native
-from jaxres._core.buckets import Layout
-from jaxres._core.hashing import hash_words
+from jaxres._core import constants
+from jaxres._core.encoding.hashing import hash_words
+from jaxres._core.kernels import claims, grouping, native
+from jaxres._core.storages.buckets import Layout
 
-_LANE_MIX = np.uint32(0x9E3779B1)
+_LANE_MIX = np.uint32(constants.GOLDEN_MIX)
 
 
 class Upserted(NamedTuple):
@@ -91,7 +91,7 @@ def _upsert_reference(layout, locate, records, words, active, free_rows, size):
   admitted, dropped = lax.cond(
     jnp.sum(new, dtype=jnp.int32) <= room,
     lambda: (new, jnp.int32(0)),
-    lambda: batch_lib.admit(words, new, room),
+    lambda: grouping.admit(words, new, room),
   )
   flat, slot, first, row = _claim_reference(
     layout, records.reshape(-1), words, admitted, slot, free_rows, size
@@ -123,7 +123,7 @@ def _claim_slots(layout, flat, words, admitted, slot, free_rows, taken):
   home = layout.home(words)
   # A per-key choice among the free slots spreads distinct keys apart (fewer
   # lost claims); equal keys make the same choice and so meet on one slot.
-  lane = (hash_words(words, seed=1) * _LANE_MIX) >> 16
+  lane = (hash_words(words, seed=constants.LANE_SEED) * _LANE_MIX) >> 16
 
   def claim_round(state, rows, target, later: bool):
     """One round for the rows ``rows`` (``target``: the same, for scatters)."""

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxres._core import codec, strings
+from jaxres._core.encoding import key_specs, strings
 
 
 def _is_string_dtype(dtype) -> bool:
@@ -94,7 +94,7 @@ class KeyCodec(_Codec, _StringRows):
       self.spec = jax.ShapeDtypeStruct((self.width,), jnp.uint32)
       self.name = "str"
     else:
-      spec = codec.KeySpec.parse(key_dtype)  # composite keys keep their shape
+      spec = key_specs.KeySpec.parse(key_dtype)  # composite keys keep their shape
       self.spec = jax.ShapeDtypeStruct(spec.shape, spec.dtype) if spec.shape else spec.dtype
       self.name = str(spec)
     self.config = (self.name, self.max_length if self.is_string else None)
@@ -161,4 +161,4 @@ class ValueCodec(_Codec, _StringRows):
     return self._rows(values, name) if self.is_string else values
 
   def decode(self, values):
-    return strings.decode(values) if self.is_string and not codec.is_traced(values) else values
+    return strings.decode(values) if self.is_string and not key_specs.is_traced(values) else values

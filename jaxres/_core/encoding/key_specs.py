@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxres._core.hashing import hash_words
+from jaxres._core.encoding.hashing import hash_words
 
 KEY_DTYPES = (np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.int64), np.dtype(np.uint64))
 _SIGN_BIT = np.uint32(0x80000000)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxres._core import codec
+from jaxres._core.encoding import key_specs
 
 # What JAX stores a 64-bit float leaf as when x64 is off.
 _NARROWED = {np.dtype(np.float64): np.dtype(np.float32), np.dtype(np.complex128): np.dtype(np.complex64)}
@@ -99,7 +99,7 @@ class LeafSpec:
       if x.dtype == np.uint32 and x.shape[-1:] == (2,):
         return x
       if x.dtype == self.dtype:
-        return codec.split64_jax(x)
+        return key_specs.split64_jax(x)
       raise TypeError(
         f"{name}: expected {self.dtype} values (NumPy on the host) or uint32 word pairs "
         f"inside jit, got {x.dtype}."
@@ -112,11 +112,11 @@ class LeafSpec:
         raise TypeError(f"{name}: expected {self.dtype} values, got {arr.dtype}.")
       arr = arr.astype(self.dtype)
     else:
-      arr = codec.host_integers(x, self.dtype, name)
-    return codec.split64_host(arr)
+      arr = key_specs.host_integers(x, self.dtype, name)
+    return key_specs.split64_host(arr)
 
   def from_storage(self, x):
-    return codec.decode_wide(x, self.dtype) if self.wide else x
+    return key_specs.decode_wide(x, self.dtype) if self.wide else x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +141,7 @@ class ValueSpec:
         raise TypeError(f"value: expected a dtype or jax.ShapeDtypeStruct leaf, got {leaf!r}.")
       if dtype.kind not in "biufc":
         raise TypeError(f"value: unsupported dtype {dtype}.")
-      wide = dtype.kind in "iu" and dtype.itemsize == 8 and not codec.x64_enabled()
+      wide = dtype.kind in "iu" and dtype.itemsize == 8 and not key_specs.x64_enabled()
       leaves.append(LeafSpec(dtype, shape, wide))
     return cls(treedef, tuple(leaves))
 

@@ -6,8 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_C1 = np.uint32(0xCC9E2D51)
-_C2 = np.uint32(0x1B873593)
+from jaxres._core import constants
+
+_C1 = np.uint32(constants.HASH_C1)
+_C2 = np.uint32(constants.HASH_C2)
 
 
 def _rotl(x: jax.Array, r: int) -> jax.Array:
@@ -16,13 +18,13 @@ def _rotl(x: jax.Array, r: int) -> jax.Array:
 
 def _fmix(h: jax.Array) -> jax.Array:
   h = h ^ (h >> 16)
-  h = h * np.uint32(0x85EBCA6B)
+  h = h * np.uint32(constants.HASH_FINAL_1)
   h = h ^ (h >> 13)
-  h = h * np.uint32(0xC2B2AE35)
+  h = h * np.uint32(constants.HASH_FINAL_2)
   return h ^ (h >> 16)
 
 
-def hash_words(words: jax.Array, seed: int = 0) -> jax.Array:
+def hash_words(words: jax.Array, seed: int = constants.BUCKET_SEED) -> jax.Array:
   """uint32[..., W] -> uint32[...]: a well-mixed hash of each word row.
 
   Deterministic on every backend (pure integer arithmetic), so the same keys
@@ -32,5 +34,5 @@ def hash_words(words: jax.Array, seed: int = 0) -> jax.Array:
   h = jnp.full(words.shape[:-1], np.uint32(seed), dtype=jnp.uint32)
   for j in range(num_words):
     k = _rotl(words[..., j] * _C1, 15) * _C2
-    h = _rotl(h ^ k, 13) * np.uint32(5) + np.uint32(0xE6546B64)
+    h = _rotl(h ^ k, 13) * np.uint32(5) + np.uint32(constants.HASH_ROUND_ADD)
   return _fmix(h ^ np.uint32(num_words))

@@ -8,7 +8,7 @@ at install time, or with ``JAXRES_KERNELS=0`` in the environment, every
 backend runs the references.
 
 Example:
-  >>> from jaxres._core import native
+  >>> from jaxres._core.kernels import native
   >>> isinstance(native.ENABLED, bool)
   True
 """
@@ -24,7 +24,7 @@ import jax
 from jax import lax
 
 try:
-  from jaxres._core import _kernels
+  from jaxres._core.kernels import _kernels
 except ImportError:  # built without a C++ compiler: the references everywhere
   _kernels = None
 

@@ -39,16 +39,18 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxres._core import calls, claims, codec, entries, hosts
-from jaxres._core.hashing import hash_words
-from jaxres._core.open_addressing import OpenAddressingTable, check_slots
+from jaxres._core import call_args, constants, entries, processes
+from jaxres._core.encoding import key_specs
+from jaxres._core.encoding.hashing import hash_words
+from jaxres._core.encoding.value_specs import ValueSpec
+from jaxres._core.kernels import claims
+from jaxres._core.kernels.row_ops import select_rows
+from jaxres._core.modes import Carry
 from jaxres._core.pytrees import pytree_dataclass, static_field
-from jaxres._core.rows import select_rows
-from jaxres._core.storage import Storage, exact_reduction
+from jaxres._core.storages.open_addressing import OpenAddressingTable, check_slots
+from jaxres._core.storages.storage import Storage, exact_reduction
 from jaxres._core.table import Table, check_capacity
-from jaxres._core.values import ValueSpec
 
-_ROUTING_SEED = 0x5EED  # independent of the storages' bucket hash (seed 0)
 _HEADROOM_SIGMAS = 6
 
 
@@ -70,7 +72,7 @@ def shard_capacity_for(capacity: int, num_shards: int) -> int:
 
 def owner_of(words: jax.Array, num_shards: int) -> jax.Array:
   """int32[N]: the shard that owns each key row."""
-  return (hash_words(words, seed=_ROUTING_SEED) % np.uint32(num_shards)).astype(jnp.int32)
+  return (hash_words(words, seed=constants.ROUTING_SEED) % np.uint32(num_shards)).astype(jnp.int32)
 
 
 @pytree_dataclass
@@ -95,7 +97,7 @@ class ShardedTable(Table):
   mesh: Mesh = static_field()
   axis: str = static_field()
   capacity: int = static_field()
-  key_spec: codec.KeySpec = static_field()
+  key_spec: key_specs.KeySpec = static_field()
   value_spec: ValueSpec = static_field()
   shard_ranks: tuple = static_field()  # the rank of each leaf of one shard
 
@@ -295,10 +297,10 @@ class ShardedTable(Table):
 
     # A repeated key travels once, with the values that count (an insert's last, a
     # find_or_insert's first), its last given score and how often it occurred.
-    pick = ("last" if mode == "insert" else "first",) * len(leaves) + tuple(p for _, p in riders)
+    pick = (Carry.FIRST if mode.keeps_present else Carry.LAST,) * len(leaves) + tuple(p for _, p in riders)
     travelling = [*leaves, *(x for x, _ in riders)]
     table, outputs = self._routed(op, words, active, travelling, pick, flags=self.eviction is not None)
-    num_out = len(leaves) if mode == "first" else 0
+    num_out = len(leaves) if mode.keeps_present else 0
     out, pieces = outputs[:num_out], outputs[num_out:]
     if self.eviction is None:
       return table, out, None
@@ -345,7 +347,7 @@ class ShardedTable(Table):
       return shard._write_rows(rows[:, 0].astype(jnp.int32), values, active), []
 
     active = active & (index >= 0)
-    pick = ("last",) * len(leaves)
+    pick = (Carry.LAST,) * len(leaves)
     return self._routed(op, self._row_words(index), active, leaves, pick, by_row=True)[0]
 
   def _row_words(self, index):
@@ -356,7 +358,7 @@ class ShardedTable(Table):
     def op(shard, words, active, rows):
       return shard._assign_rows(words, rows, active), []
 
-    return self._routed(op, words, active, leaves, pick=("last",) * len(leaves))[0]
+    return self._routed(op, words, active, leaves, pick=(Carry.LAST,) * len(leaves))[0]
 
   def _apply_rows(self, words, leaves, active, fn, given=None, weights=None):
     riders = self._riders(words, given, weights)
@@ -371,7 +373,7 @@ class ShardedTable(Table):
     pick = None if reduction is None else (reduction,) * len(leaves) + tuple(p for _, p in riders)
     return self._routed(op, words, active, [*leaves, *(x for x, _ in riders)], pick)[0]
 
-  def _riders(self, words, given, weights) -> list[tuple[jax.Array, str]]:
+  def _riders(self, words, given, weights) -> list[tuple[jax.Array, Carry]]:
     """What travels with a call's rows besides their values, and how a repeated key combines each.
 
     The given scores (the last one counts) and the occurrences each row
@@ -380,7 +382,7 @@ class ShardedTable(Table):
     """
     if self.eviction is not None and self.eviction.counts and weights is None:
       weights = jnp.ones(words.shape[0], jnp.int32)
-    return [(x, pick) for x, pick in ((given, "last"), (weights, "add")) if x is not None]
+    return [(x, pick) for x, pick in ((given, Carry.LAST), (weights, Carry.ADD)) if x is not None]
 
   def _erase_rows(self, fn):
     return self._with_shards(jax.vmap(lambda shard: shard._erase_rows(fn))(self.shards))
@@ -421,11 +423,11 @@ class ShardedTable(Table):
     On several processes the blocks are global arrays, and each process
     writes the shards of its own devices.
     """
-    counts = hosts.replicated(self.shards.size)
+    counts = processes.replicated(self.shards.size)
     blocks = _jit_blocks(self, max(1, int(counts.max())))
     counters = None
     if self.eviction is not None:
-      clock, evictions = (hosts.replicated(x) for x in (self.shards.clock, self.shards.evictions))
+      clock, evictions = (processes.replicated(x) for x in (self.shards.clock, self.shards.evictions))
       counters = {"clock": clock[0], "evictions": np.int32(evictions.sum())}
     return entries.to_blocks(
       blocks, counts, self.key_spec, self.value_spec, counters=counters, layout=self._layout_shape()
@@ -458,9 +460,9 @@ class ShardedTable(Table):
       return super()._imported_saved(keys, values, scores, complete)
     n = len(keys)
     words = np.asarray(self.key_spec.encode(keys, "keys")[0]).reshape(n, -1)
-    leaves = [np.asarray(x) for x in calls.value_leaves(self, values, (n,))]
+    leaves = [np.asarray(x) for x in call_args.value_leaves(self, values, (n,))]
     given = [] if scores is None else [np.asarray(scores, np.uint32)]
-    rows = -(-int(hosts.everywhere(np.array(n)).max()) // local) * local or local
+    rows = -(-int(processes.everywhere(np.array(n)).max()) // local) * local or local
     split = NamedSharding(self.mesh, PartitionSpec(self.axis))
 
     def spread(x):
@@ -482,7 +484,7 @@ class ShardedTable(Table):
     empty = self._cleared()
     words, _ = self.key_spec.encode(keys, "keys")
     words = np.asarray(words).reshape(len(keys), -1)
-    leaves = [np.asarray(x) for x in calls.value_leaves(self, values, (len(keys),))]
+    leaves = [np.asarray(x) for x in call_args.value_leaves(self, values, (len(keys),))]
     given = [] if scores is None else [np.asarray(scores, np.uint32)]
     owners = np.asarray(owner_of(jnp.asarray(words), self.num_shards)) if len(keys) else np.zeros(0, np.int32)
     ends = np.cumsum([0, *(len(s) for s in slots.values())])
@@ -498,7 +500,7 @@ class ShardedTable(Table):
       parts[shard] = np.arange(start, end)
     flat_slots = np.concatenate([np.asarray(s, np.int64) for s in slots.values()]).astype(np.int32)
     local = self._local_shards()
-    width = max(1, int(hosts.everywhere(np.array(max(len(parts[i]) for i in local))).max()))
+    width = max(1, int(processes.everywhere(np.array(max(len(parts[i]) for i in local))).max()))
     split = NamedSharding(self.mesh, PartitionSpec(self.axis))
 
     def stacked(x):
@@ -516,7 +518,7 @@ class ShardedTable(Table):
     return empty._with_shards(place(empty.shards, words, leaves, given, flat_slots, valid))
 
   def _local_shards(self):
-    return sorted(hosts.local_rows(self.shards.size))
+    return sorted(processes.local_rows(self.shards.size))
 
   # ----------------------------------------------------------- routing
 
@@ -526,8 +528,7 @@ class ShardedTable(Table):
     ``by_row``: ``words`` are the table's value rows (``uint32[N, 1]``), each
     going to the shard that holds it, which gets its own row numbers instead.
 
-    ``pick``: for each leaf, ``"first"``, ``"last"`` or a scatter reduction
-    (``"add"``, ``"max"``...): a key repeated on a device travels once, with
+    ``pick``: for each leaf, a :class:`Carry`: a key repeated on a device travels once, with
     the leaf of its first or last occurrence or the reduction over its rows,
     and all its rows take the reply to the first; ``None``: every row travels
     (a fold in batch order needs them all). ``flags``: the last output marks
@@ -603,16 +604,16 @@ def _split(rows: list, riders: list) -> tuple:
   """A shard's received leaves as ``(values, given, weights)`` (see :meth:`ShardedTable._riders`)."""
   count = len(rows) - len(riders)
   received = {pick: x for (_, pick), x in zip(riders, rows[count:])}
-  return rows[:count], received.get("last"), received.get("add")
+  return rows[:count], received.get(Carry.LAST), received.get(Carry.ADD)
 
 
-def _travelling(x, which: str, last, others):
-  """The leaf a key's first row carries: its own (``"first"``), its last row's, or a reduction of all."""
-  if which == "first":
+def _travelling(x, which: Carry, last, others):
+  """The leaf a key's first row carries: its own, its last row's, or a reduction of all."""
+  if which is Carry.FIRST:
     return x
-  if which == "last":
+  if which is Carry.LAST:
     return x[last]
-  return getattr(x.at[others], which)(x, mode="drop")  # a scatter reduction into the first row
+  return which.scatter(x.at[others], x)  # a scatter reduction into the first row
 
 
 class _Route(NamedTuple):
