@@ -56,7 +56,7 @@ def main() -> None:
   info = {f: definitions(t) for f, t in trees.items()}
   owners = collections.defaultdict(set)  # name -> classes defining it
   class_bases = {}
-  for f, (_, per_class, bases) in info.items():
+  for _, per_class, bases in info.values():
     class_bases.update(bases)
     for cls, names in per_class.items():
       for name in names:

@@ -31,7 +31,7 @@ class Rows(NamedTuple):
   words: jax.Array  # uint32[N, W]
   leaves: list  # value leaves [N, *storage_shape]
   active: jax.Array | None  # bool[N]: rows to act on (None: all)
-  given: jax.Array | None  # uint32[N]: scores given with the call
+  given_scores: jax.Array | None  # uint32[N]: scores given with the call
   n: int  # rows before padding
   batch: tuple[int, ...]  # the caller's batch shape
 
@@ -55,9 +55,9 @@ def prepare(
   leaves = [] if values is NO_VALUES else value_leaves(table, values, batch)
   active = check_valid(valid, batch)
   inserts = values is not NO_VALUES if inserts is None else inserts
-  given = _given(table, scores, batch, inserts, explicit_scores)
+  given_scores = _given_scores(table, scores, batch, inserts, explicit_scores)
   if key_specs.is_traced(words) or not n:
-    return Rows(words, leaves, active, given, n, batch)
+    return Rows(words, leaves, active, given_scores, n, batch)
   size = max(_MIN_EAGER_ROWS, 1 << (n - 1).bit_length())
 
   def padded(x):
@@ -65,8 +65,8 @@ def prepare(
 
   # Always a mask, so padded and unpadded batches of one size share a compile.
   active = np.arange(size) < n if active is None else padded(active)
-  given = None if given is None else padded(given)
-  return Rows(padded(words), [padded(x) for x in leaves], active, given, n, batch)
+  given_scores = None if given_scores is None else padded(given_scores)
+  return Rows(padded(words), [padded(x) for x in leaves], active, given_scores, n, batch)
 
 
 def _padded(x, size: int):
@@ -183,7 +183,7 @@ def check_valid(valid, batch) -> jax.Array | None:
   return active.reshape(-1)
 
 
-def _given(table, scores, batch, names_keys: bool, explicit: bool) -> jax.Array | None:
+def _given_scores(table, scores, batch, names_keys: bool, explicit: bool) -> jax.Array | None:
   """``scores`` checked against the table's policy, as flat ``uint32``."""
   policy = table.eviction
   takes = policy is not None and (policy.takes_scores or explicit)

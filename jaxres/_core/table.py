@@ -89,13 +89,15 @@ def _jit_remove(table: Table, words, active):
 
 @_mutation(static_argnames=("mode", "tick", "report"))
 def _jit_upsert(
-  table: Table, words, leaves, active, given, *, mode: Upsert, tick: bool = True, report: bool = False
+  table: Table, words, leaves, active, given_scores, *, mode: Upsert, tick: bool = True, report: bool = False
 ):
   """insert or find_or_insert (``mode``): ``(table, out, evicted)``.
 
   ``report``: return the evicted entries (else ``None``, and they are not computed).
   """
-  table, out, evicted = (table._tick() if tick else table)._upsert_rows(words, leaves, active, mode, given)
+  table, out, evicted = (table._tick() if tick else table)._upsert_rows(
+    words, leaves, active, mode, given_scores
+  )
   return table, out, evicted if report else None
 
 
@@ -105,8 +107,8 @@ def _jit_assign(table: Table, words, leaves, active):
 
 
 @_mutation(static_argnames=("fn",))
-def _jit_apply(table: Table, words, leaves, active, given, *, fn):
-  return table._tick()._apply_rows(words, leaves, active, fn, given)
+def _jit_apply(table: Table, words, leaves, active, given_scores, *, fn):
+  return table._tick()._apply_rows(words, leaves, active, fn, given_scores)
 
 
 @functools.partial(jax.jit, static_argnames=("fn",))
@@ -120,8 +122,8 @@ def _jit_find_rows(table: Table, words):
 
 
 @_mutation(static_argnames=("report",))
-def _jit_claim(table: Table, words, active, given, *, report: bool):
-  table, index, found, inserted, evicted = table._tick()._claim_rows(words, active, given)
+def _jit_claim(table: Table, words, active, given_scores, *, report: bool):
+  table, index, found, inserted, evicted = table._tick()._claim_rows(words, active, given_scores)
   return table, index, found, inserted, evicted if report else None
 
 
@@ -374,7 +376,7 @@ class Table(abc.ABC):
     if not rows.n:
       return self, call_args.output(self, [x[:0] for x in rows.leaves], rows.batch), None, rows
     table, out, evicted = _jit_upsert(
-      self, rows.words, rows.leaves, rows.active, rows.given, mode=mode, report=report, donate=donate
+      self, rows.words, rows.leaves, rows.active, rows.given_scores, mode=mode, report=report, donate=donate
     )
     if not mode.keeps_present:
       return table, None, evicted, rows
@@ -435,7 +437,7 @@ class Table(abc.ABC):
       nothing = jnp.zeros(batch, bool)
       return self, RowHandles(jnp.zeros(batch, jnp.int32), nothing, nothing, empty)
     table, index, found, inserted, evicted = _jit_claim(
-      self, rows.words, rows.active, rows.given, report=True, donate=donate
+      self, rows.words, rows.active, rows.given_scores, report=True, donate=donate
     )
     handles = RowHandles(
       call_args.unpadded(index, batch),
@@ -511,7 +513,7 @@ class Table(abc.ABC):
     if not rows.n:
       return self
     self._check_fn(fn)
-    return _jit_apply(self, rows.words, rows.leaves, rows.active, rows.given, fn=fn, donate=donate)
+    return _jit_apply(self, rows.words, rows.leaves, rows.active, rows.given_scores, fn=fn, donate=donate)
 
   def _check_fn(self, fn):
     entry = [jax.ShapeDtypeStruct(s.storage_shape, s.storage_dtype) for s in self.value_spec.leaves]
@@ -638,11 +640,11 @@ class Table(abc.ABC):
     rows = call_args.prepare(self, keys, values, valid, scores, explicit_scores=True)
     if not rows.n:
       return self._cleared()
-    return self._imported_rows(rows.words, rows.leaves, rows.active, rows.given)
+    return self._imported_rows(rows.words, rows.leaves, rows.active, rows.given_scores)
 
-  def _imported_rows(self, words, leaves, active, given) -> Table:
+  def _imported_rows(self, words, leaves, active, given_scores) -> Table:
     """:meth:`import_` of encoded rows: key ``words``, storage ``leaves``, ``active``, ``given`` scores."""
-    return _jit_upsert(self._cleared(), words, leaves, active, given, mode=Upsert.INSERT)[0]
+    return _jit_upsert(self._cleared(), words, leaves, active, given_scores, mode=Upsert.INSERT)[0]
 
   def resize(self, capacity: int) -> Table:
     """The same contents (and scores) in a table of another ``capacity`` (static).
@@ -657,8 +659,8 @@ class Table(abc.ABC):
       raise ValueError(f"capacity: {capacity} is below the table's size {int(self.size)}.")
     words, leaves, scores, valid = _jit_compact(self)
     target = self._with_capacity(capacity)._carry(self)
-    given = scores if self.eviction is not None else None
-    return _jit_upsert(target, words, leaves, valid, given, mode=Upsert.INSERT, tick=False)[0]
+    given_scores = scores if self.eviction is not None else None
+    return _jit_upsert(target, words, leaves, valid, given_scores, mode=Upsert.INSERT, tick=False)[0]
 
   # ------------------------------------------------------ checkpoints
 
@@ -809,13 +811,13 @@ class Table(abc.ABC):
 
   @abc.abstractmethod
   def _upsert_rows(
-    self, words, leaves, active, mode: Upsert, given=None, weights=None
+    self, words, leaves, active, mode: Upsert, given_scores=None, weights=None
   ) -> tuple[Table, list, tuple | None]:
     """insert or find_or_insert (``mode``) on flat rows.
 
     Returns ``(table, out, evicted)``: ``out`` the found-or-inserted values
     (``Upsert.FIND_OR_INSERT``), ``evicted`` the rows' ``(words, leaves, scores, valid)``
-    (``None`` without an eviction policy). ``given``: scores for the keys
+    (``None`` without an eviction policy). ``given_scores``: scores for the keys
     (``CustomScore``, or entries moved with their scores). ``weights``:
     ``int32[N]``, how many occurrences each row stands for (a counting policy
     adds them up; ``None``: one each).
@@ -826,7 +828,7 @@ class Table(abc.ABC):
     """``int32[N]``: the value row of each present key, ``-1`` elsewhere."""
 
   @abc.abstractmethod
-  def _claim_rows(self, words, active, given=None, weights=None) -> tuple:
+  def _claim_rows(self, words, active, given_scores=None, weights=None) -> tuple:
     """find_or_insert_rows on flat rows: ``(table, index, found, inserted, evicted)``.
 
     ``evicted`` as for :meth:`_upsert_rows` (a refused key's values: the default).
@@ -845,7 +847,7 @@ class Table(abc.ABC):
     """assign on flat rows: present keys take their last active row's values."""
 
   @abc.abstractmethod
-  def _apply_rows(self, words, leaves, active, fn, given=None, weights=None) -> Table:
+  def _apply_rows(self, words, leaves, active, fn, given_scores=None, weights=None) -> Table:
     """insert_or_apply on flat rows (``given`` and ``weights`` as for :meth:`_upsert_rows`)."""
 
   @abc.abstractmethod

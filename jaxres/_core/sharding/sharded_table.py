@@ -286,19 +286,19 @@ class ShardedTable(Table):
 
     return self._routed(op, words, None, [], pick=())[1][0]
 
-  def _upsert_rows(self, words, leaves, active, mode, given=None, weights=None):
-    riders = self._riders(words, given, weights)
+  def _upsert_rows(self, words, leaves, active, mode, given_scores=None, weights=None):
+    extras = self._extras(words, given_scores, weights)
 
     def op(shard, words, active, rows):
-      values, given, weights = _split(rows, riders)
-      shard, out, evicted = shard._upsert_rows(words, values, active, mode, given, weights)
+      values, given_scores, weights = _split(rows, extras)
+      shard, out, evicted = shard._upsert_rows(words, values, active, mode, given_scores, weights)
       pieces = [] if evicted is None else [evicted[0], *evicted[1], evicted[2], evicted[3]]
       return shard, [*out, *pieces]
 
     # A repeated key travels once, with the values that count (an insert's last, a
     # find_or_insert's first), its last given score and how often it occurred.
-    pick = (Carry.FIRST if mode.keeps_present else Carry.LAST,) * len(leaves) + tuple(p for _, p in riders)
-    travelling = [*leaves, *(x for x, _ in riders)]
+    pick = (Carry.FIRST if mode.keeps_present else Carry.LAST,) * len(leaves) + tuple(p for _, p in extras)
+    travelling = [*leaves, *(x for x, _ in extras)]
     table, outputs = self._routed(op, words, active, travelling, pick, flags=self.eviction is not None)
     num_out = len(leaves) if mode.keeps_present else 0
     out, pieces = outputs[:num_out], outputs[num_out:]
@@ -313,18 +313,18 @@ class ShardedTable(Table):
 
     return self._routed(op, words, None, [], pick=())[1][0]
 
-  def _claim_rows(self, words, active, given=None, weights=None):
-    riders = self._riders(words, given, weights)
+  def _claim_rows(self, words, active, given_scores=None, weights=None):
+    extras = self._extras(words, given_scores, weights)
 
     def op(shard, words, active, rows):
-      _, given, weights = _split(rows, riders)
-      shard, index, found, inserted, evicted = shard._claim_rows(words, active, given, weights)
+      _, given_scores, weights = _split(rows, extras)
+      shard, index, found, inserted, evicted = shard._claim_rows(words, active, given_scores, weights)
       pieces = [] if evicted is None else [evicted[0], *evicted[1], evicted[2], evicted[3]]
       return shard, [self._global_rows(index), found, inserted, *pieces]
 
-    pick = tuple(p for _, p in riders)
+    pick = tuple(p for _, p in extras)
     table, outputs = self._routed(
-      op, words, active, [x for x, _ in riders], pick, flags=self.eviction is not None
+      op, words, active, [x for x, _ in extras], pick, flags=self.eviction is not None
     )
     index, found, inserted, *pieces = outputs
     evicted = None if self.eviction is None else (pieces[0], pieces[1:-2], pieces[-2], pieces[-1])
@@ -360,20 +360,20 @@ class ShardedTable(Table):
 
     return self._routed(op, words, active, leaves, pick=(Carry.LAST,) * len(leaves))[0]
 
-  def _apply_rows(self, words, leaves, active, fn, given=None, weights=None):
-    riders = self._riders(words, given, weights)
+  def _apply_rows(self, words, leaves, active, fn, given_scores=None, weights=None):
+    extras = self._extras(words, given_scores, weights)
 
     def op(shard, words, active, rows):
-      values, given, weights = _split(rows, riders)
-      return shard._apply_rows(words, values, active, fn, given, weights), []
+      values, given_scores, weights = _split(rows, extras)
+      return shard._apply_rows(words, values, active, fn, given_scores, weights), []
 
     # A fold that no order changes (an integer sum, a maximum) is reduced per device and
     # travels once per key; any other needs every row at the owner, in batch order.
     reduction = exact_reduction(fn, self.value_spec)
-    pick = None if reduction is None else (reduction,) * len(leaves) + tuple(p for _, p in riders)
-    return self._routed(op, words, active, [*leaves, *(x for x, _ in riders)], pick)[0]
+    pick = None if reduction is None else (reduction,) * len(leaves) + tuple(p for _, p in extras)
+    return self._routed(op, words, active, [*leaves, *(x for x, _ in extras)], pick)[0]
 
-  def _riders(self, words, given, weights) -> list[tuple[jax.Array, Carry]]:
+  def _extras(self, words, given_scores, weights) -> list[tuple[jax.Array, Carry]]:
     """What travels with a call's rows besides their values, and how a repeated key combines each.
 
     The given scores (the last one counts) and the occurrences each row
@@ -382,7 +382,7 @@ class ShardedTable(Table):
     """
     if self.eviction is not None and self.eviction.counts and weights is None:
       weights = jnp.ones(words.shape[0], jnp.int32)
-    return [(x, pick) for x, pick in ((given, Carry.LAST), (weights, Carry.ADD)) if x is not None]
+    return [(x, pick) for x, pick in ((given_scores, Carry.LAST), (weights, Carry.ADD)) if x is not None]
 
   def _erase_rows(self, fn):
     return self._with_shards(jax.vmap(lambda shard: shard._erase_rows(fn))(self.shards))
@@ -461,7 +461,7 @@ class ShardedTable(Table):
     n = len(keys)
     words = np.asarray(self.key_spec.encode(keys, "keys")[0]).reshape(n, -1)
     leaves = [np.asarray(x) for x in call_args.value_leaves(self, values, (n,))]
-    given = [] if scores is None else [np.asarray(scores, np.uint32)]
+    given_scores = [] if scores is None else [np.asarray(scores, np.uint32)]
     rows = -(-int(processes.everywhere(np.array(n)).max()) // local) * local or local
     split = NamedSharding(self.mesh, PartitionSpec(self.axis))
 
@@ -471,9 +471,9 @@ class ShardedTable(Table):
       padded[:n] = x
       return jax.make_array_from_process_local_data(split, padded, (rows * jax.process_count(), *x.shape[1:]))
 
-    words, active, *rest = (spread(x) for x in (words, np.ones(n, bool), *leaves, *given))
-    leaves, given = (rest[:-1], rest[-1]) if scores is not None else (rest, None)
-    return self._imported_rows(words, leaves, active, given)
+    words, active, *rest = (spread(x) for x in (words, np.ones(n, bool), *leaves, *given_scores))
+    leaves, given_scores = (rest[:-1], rest[-1]) if scores is not None else (rest, None)
+    return self._imported_rows(words, leaves, active, given_scores)
 
   def _layout_shape(self):
     shape = self.shards._layout_shape()
@@ -485,7 +485,7 @@ class ShardedTable(Table):
     words, _ = self.key_spec.encode(keys, "keys")
     words = np.asarray(words).reshape(len(keys), -1)
     leaves = [np.asarray(x) for x in call_args.value_leaves(self, values, (len(keys),))]
-    given = [] if scores is None else [np.asarray(scores, np.uint32)]
+    given_scores = [] if scores is None else [np.asarray(scores, np.uint32)]
     owners = np.asarray(owner_of(jnp.asarray(words), self.num_shards)) if len(keys) else np.zeros(0, np.int32)
     ends = np.cumsum([0, *(len(s) for s in slots.values())])
     parts = {}
@@ -511,11 +511,11 @@ class ShardedTable(Table):
       return jax.make_array_from_process_local_data(split, rows, (self.num_shards, *rows.shape[1:]))
 
     valid = np.arange(width) < np.array([[len(parts[i])] for i in local])
-    words, flat_slots, *rest = (stacked(x) for x in (words, flat_slots, *leaves, *given))
-    leaves, given = (rest[:-1], rest[-1]) if scores is not None else (rest, None)
+    words, flat_slots, *rest = (stacked(x) for x in (words, flat_slots, *leaves, *given_scores))
+    leaves, given_scores = (rest[:-1], rest[-1]) if scores is not None else (rest, None)
     valid = jax.make_array_from_process_local_data(split, valid, (self.num_shards, width))
     place = jax.jit(jax.vmap(lambda shard, *row: shard._place_rows(*row)), out_shardings=split)
-    return empty._with_shards(place(empty.shards, words, leaves, given, flat_slots, valid))
+    return empty._with_shards(place(empty.shards, words, leaves, given_scores, flat_slots, valid))
 
   def _local_shards(self):
     return sorted(processes.local_rows(self.shards.size))
@@ -600,10 +600,10 @@ class ShardedTable(Table):
     return jax.tree.map(lambda x: x[None] if x.ndim == 0 else x, shard)
 
 
-def _split(rows: list, riders: list) -> tuple:
-  """A shard's received leaves as ``(values, given, weights)`` (see :meth:`ShardedTable._riders`)."""
-  count = len(rows) - len(riders)
-  received = {pick: x for (_, pick), x in zip(riders, rows[count:])}
+def _split(rows: list, extras: list) -> tuple:
+  """A shard's received leaves as ``(values, given, weights)`` (see :meth:`ShardedTable._extras`)."""
+  count = len(rows) - len(extras)
+  received = {pick: x for (_, pick), x in zip(extras, rows[count:])}
   return rows[:count], received.get(Carry.LAST), received.get(Carry.ADD)
 
 

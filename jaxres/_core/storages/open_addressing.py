@@ -151,9 +151,9 @@ class OpenAddressingTable(Storage):
     if not rows.n:
       return empty
     slots = call_args.pad_to(jnp.asarray(slots, jnp.int32), rows)
-    return _jit_place(empty, rows.words, rows.leaves, rows.given, slots, rows.active)
+    return _jit_place(empty, rows.words, rows.leaves, rows.given_scores, slots, rows.active)
 
-  def _place_rows(self, words, leaves, given, slots, valid):
+  def _place_rows(self, words, leaves, given_scores, slots, valid):
     """This empty table with the rows' entries at ``slots`` (distinct), where ``valid``."""
     layout = self.layout
     flat = layout.store(self.buckets.reshape(-1), slots, words, valid)
@@ -161,8 +161,8 @@ class OpenAddressingTable(Storage):
     flat = placing.take_free_rows(layout, flat, slots, valid, self.free_rows, self.size)
     table = dataclasses.replace(self, buckets=flat.reshape(self.buckets.shape))
     table = table._write(slots, leaves, valid)
-    if given is not None:
-      scores = self.slot_scores.at[jnp.where(valid, slots, layout.num_slots)].set(given, mode="drop")
+    if given_scores is not None:
+      scores = self.slot_scores.at[jnp.where(valid, slots, layout.num_slots)].set(given_scores, mode="drop")
       table = dataclasses.replace(table, slot_scores=scores)
     return dataclasses.replace(table, size=jnp.sum(valid, dtype=jnp.int32))
 
@@ -267,16 +267,16 @@ class OpenAddressingTable(Storage):
 
   # ---------------------------------------------------------- mutations
 
-  def _upsert_rows(self, words, leaves, active, mode, given=None, weights=None):
-    table, claim = self._claim(words, active, mode, given, weights)
+  def _upsert_rows(self, words, leaves, active, mode, given_scores=None, weights=None):
+    table, claim = self._claim(words, active, mode, given_scores, weights)
     table, evicted = table._evicted(
       claim.victims, take_rows(leaves, claim.victims.offered) if claim.victims else None
     )
     table, out = table._write_values(words, leaves, claim, mode)
     return table, out, evicted
 
-  def _claim_rows(self, words, active, given=None, weights=None):
-    table, claim = self._claim(words, active, Upsert.FIND_OR_INSERT, given, weights)
+  def _claim_rows(self, words, active, given_scores=None, weights=None):
+    table, claim = self._claim(words, active, Upsert.FIND_OR_INSERT, given_scores, weights)
     stored = claim.found | claim.placed
     row = jnp.where(stored, claim.row, -1)
     victims = claim.victims
@@ -305,7 +305,7 @@ class OpenAddressingTable(Storage):
       victims.valid,
     )
 
-  def _claim(self, words, active, mode, given, weights) -> tuple[OpenAddressingTable, Claim]:
+  def _claim(self, words, active, mode, given_scores, weights) -> tuple[OpenAddressingTable, Claim]:
     """Locates the rows' keys and gives the new ones slots and value rows (evicting when full).
 
     The values of the new keys' rows are left as they were: :meth:`_write_values`
@@ -331,7 +331,7 @@ class OpenAddressingTable(Storage):
     # With an eviction policy, the new keys that do not fit evict instead of being dropped.
     to_evict = active & ~up.found & ~up.admitted
     return table._claim_evicting(
-      words, up.found, up.admitted, to_evict, up.slot, up.row, up.first, given, mode, weights
+      words, up.found, up.admitted, to_evict, up.slot, up.row, up.first, given_scores, mode, weights
     )
 
   def _write_values(self, words, leaves, claim: Claim, mode):
@@ -347,7 +347,7 @@ class OpenAddressingTable(Storage):
     # the old array would keep it alive next to the new one, and XLA would copy it whole.
     return table, select_rows(found, take_rows(table.values, row), new_values)
 
-  def _claim_evicting(self, words, found, admitted, to_evict, slot, row, first, given, mode, weights):
+  def _claim_evicting(self, words, found, admitted, to_evict, slot, row, first, given_scores, mode, weights):
     """The rest of a claim with an eviction policy: scores, then new keys that do not fit evict.
 
     ``row`` and ``first``: the value row of each row's slot, and the first row
@@ -359,15 +359,14 @@ class OpenAddressingTable(Storage):
     # Rows are grouped by key where scores need it (counts, given scores) and
     # always for the keys that evict, so that each evicts once. Under LRU every
     # row of a present key writes the same clock, so those need no grouping.
-    grouped = to_evict if given is None and not self.eviction.counts else named
+    grouped = to_evict if given_scores is None and not self.eviction.counts else named
     first = jnp.where(grouped, claims.owner_per_key(words, grouped), first)
     # The last row of each key: whose value an insert keeps, whose score was given.
-    last = (
-      claims.owner_per_key(words, named, last=True) if not mode.keeps_present or given is not None else first
-    )
+    takes_last = not mode.keeps_present or given_scores is not None
+    last = claims.owner_per_key(words, named, last=True) if takes_last else first
     stored = found | admitted
-    if given is not None:  # scores given explicitly (CustomScore, or entries moved by resize and import)
-      score = given[last]
+    if given_scores is not None:  # explicit scores (CustomScore, or entries moved by resize and import)
+      score = given_scores[last]
     else:
       old = jnp.where(found, self.slot_scores[slot], jnp.uint32(0))
       count = None
@@ -379,7 +378,7 @@ class OpenAddressingTable(Storage):
     scores = self.slot_scores.at[jnp.where(stored & heads, slot, self.slot_scores.shape[0])].set(
       score, mode="drop"
     )
-    protect = None if self.eviction.names_newest and given is None else jnp.where(stored, slot, -1)
+    protect = None if self.eviction.names_newest and given_scores is None else jnp.where(stored, slot, -1)
     outcome = eviction_rounds.evict(
       self.layout, self.buckets.reshape(-1), scores, words, to_evict & heads, score, protect
     )
@@ -465,8 +464,8 @@ def _jit_live(table: OpenAddressingTable) -> jax.Array:
 
 
 @jax.jit
-def _jit_place(table: OpenAddressingTable, words, leaves, given, slots, valid) -> OpenAddressingTable:
-  return table._place_rows(words, leaves, given, slots, valid)
+def _jit_place(table: OpenAddressingTable, words, leaves, given_scores, slots, valid) -> OpenAddressingTable:
+  return table._place_rows(words, leaves, given_scores, slots, valid)
 
 
 def _empty(capacity, key_spec, value_spec, default, bucket_size, eviction):

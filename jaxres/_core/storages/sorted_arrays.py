@@ -140,8 +140,8 @@ class SortedTable(Storage):
     fresh = admitted & ~present
     return lax.cond(jnp.any(fresh), _merge, lambda t, *_: t, table, groups.words, rows, fresh, position)
 
-  def _upsert_rows(self, words, leaves, active, mode, given=None, weights=None):
-    del given, weights  # no scores to give
+  def _upsert_rows(self, words, leaves, active, mode, given_scores=None, weights=None):
+    del given_scores, weights  # no scores to give
     found, slot = self._locate(words)
     # Updating present keys needs no sorting; only new keys are merged in order.
     update = functools.partial(_update_existing, leaves=leaves, slot=slot, active=active, mode=mode)

@@ -92,11 +92,13 @@ class Storage(Table):
     found, slot = self._locate(words)
     return jnp.where(found, self._row_of(slot), -1)
 
-  def _claim_rows(self, words, active, given=None, weights=None):
+  def _claim_rows(self, words, active, given_scores=None, weights=None):
     """find_or_insert_rows over :meth:`_upsert_rows`: a storage whose rows move on insert (sorted)."""
     found = self._locate(words)[0] & (True if active is None else active)
     defaults = [jnp.broadcast_to(d, (words.shape[0], *d.shape)) for d in self.default]
-    table, _, evicted = self._upsert_rows(words, defaults, active, Upsert.FIND_OR_INSERT, given, weights)
+    table, _, evicted = self._upsert_rows(
+      words, defaults, active, Upsert.FIND_OR_INSERT, given_scores, weights
+    )
     index = table._find_rows(words)
     if active is not None:
       index = jnp.where(active, index, -1)
@@ -123,7 +125,7 @@ class Storage(Table):
     table = self._release(words, slot, first)
     return dataclasses.replace(table, size=table.size - jnp.sum(first, dtype=jnp.int32))
 
-  def _apply_rows(self, words, leaves, active, fn, given, weights=None):
+  def _apply_rows(self, words, leaves, active, fn, given_scores, weights=None):
     """insert_or_apply: the first occurrence of a new key inserts, every other row folds in.
 
     One claim gives every row its key's value row. Each round applies ``fn``
@@ -131,7 +133,7 @@ class Storage(Table):
     folded in batch order; rounds = the largest number of times one key
     occurs in the batch.
     """
-    table, row, _, inserted, _ = self._claim_rows(words, active, given, weights)
+    table, row, _, inserted, _ = self._claim_rows(words, active, given_scores, weights)
     present = row >= 0
     first = claims.first_per_slot(row, inserted)
     table = table._put(row, leaves, first)
