@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 
 import jaxres as jr  # noqa: E402
 from benchmarks import multiprocess  # noqa: E402
-from jaxres._core.sharding.sharded_table import owner_of, round_rows, shard_capacity_for  # noqa: E402
+from jaxres._core.sharding.routing import owner_of, round_rows, shard_capacity_for  # noqa: E402
 
 DEVICES = (1, 2, 4, 8)
 WIDTH = 8  # float32 features per row

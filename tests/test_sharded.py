@@ -7,7 +7,7 @@ import pytest
 from oracle import KINDS, DictTable, Sharded, entries, mesh_of, run_random_operations
 
 import jaxres as jr
-from jaxres._core.sharding.sharded_table import owner_of, shard_capacity_for
+from jaxres._core.sharding.routing import owner_of, shard_capacity_for
 
 _KINDS = {k.name: k for k in KINDS}
 _ROW = jax.ShapeDtypeStruct((2,), jnp.float32)

@@ -43,9 +43,11 @@ def definitions(tree: ast.Module) -> tuple[set[str], dict[str, set[str]], dict[s
           per_class[node.name].add(name)
           defined.add(name)
     elif isinstance(node, (ast.FunctionDef, ast.Assign)) and node in tree.body:
-      names = [node.name] if isinstance(node, ast.FunctionDef) else [
-        t.id for t in node.targets if isinstance(t, ast.Name)
-      ]
+      names = (
+        [node.name]
+        if isinstance(node, ast.FunctionDef)
+        else [t.id for t in node.targets if isinstance(t, ast.Name)]
+      )
       defined |= {n for n in names if n.startswith("_") and not n.startswith("__")}
   return defined, per_class, bases
 

@@ -684,31 +684,28 @@ class Table(abc.ABC):
       ValueError: keys or values of other dtypes or shapes, or more entries
         than the capacity holds.
     """
-    keys, values, scores, counters, layout, slots, complete, shards = entries.from_arrays(
-      arrays, self.key_spec, self.value_spec
-    )
+    saved = entries.from_arrays(arrays, self.key_spec, self.value_spec)
     keep = self.eviction is not None
     same = (
-      slots is not None
-      and set(self._local_shards()) <= set(shards)
-      and (scores is not None) == keep
-      and len(keys) <= self.capacity
-      and np.array_equal(layout, self._layout_shape())
+      saved.slots is not None
+      and set(self._local_shards()) <= set(saved.shards)
+      and (saved.scores is not None) == keep
+      and len(saved.keys) <= self.capacity
+      and np.array_equal(saved.layout, self._layout_shape())
     )
     if same:
-      table = self._placed(keys, values, scores, dict(zip(shards, slots)))
+      table = self._placed(saved.keys, saved.values, saved.scores, dict(zip(saved.shards, saved.slots)))
     else:
-      if not keep:
-        scores = None
-      elif scores is None and self.eviction.takes_scores:
-        scores = np.zeros(len(keys), np.uint32)
-      table = self._imported_saved(keys, values, scores, complete)
+      scores = saved.scores if keep else None
+      if keep and scores is None and self.eviction.takes_scores:
+        scores = np.zeros(len(saved.keys), np.uint32)
+      table = self._imported_saved(saved.keys, saved.values, scores, saved.complete)
       lost = int(table.dropped) + int(table.evictions) - (int(self.evictions) if keep else 0)
       if lost:
         raise ValueError(
-          f"{len(keys)} entries do not fit a table of capacity {self.capacity} ({lost} would be lost)."
+          f"{len(saved.keys)} entries do not fit a table of capacity {self.capacity} ({lost} would be lost)."
         )
-    return table._restored_counters(counters) if keep and counters else table
+    return table._restored_counters(saved.counters) if keep and saved.counters else table
 
   def _imported_saved(self, keys, values, scores, complete: bool) -> Table:
     """:meth:`import_` of saved entries; ``complete=False``: each process holds a part of them.

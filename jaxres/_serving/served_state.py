@@ -5,7 +5,7 @@ are compacted): each NNX module is put in inference mode (``eval()``: an
 embedding's lookup only reads), and each ``jr.Table`` (held by a variable, as
 an embedding's table or a stateful table's state, or directly) becomes its
 read-only form, a sorted table of exactly its live entries
-(``sorted_table.read_only``). What the signatures then read of that state is
+(``sorted_arrays.read_only``). What the signatures then read of that state is
 found by tracing them; the rest (optimizer slots, scores, admission counts,
 counters) is never saved.
 

@@ -68,7 +68,7 @@ class Handle:
     strict: every child must be checkpointable (containers): a child that is
       not raises at save instead of being skipped.
     takes_parts: :meth:`restore` takes arrays of which each process read
-      some rows (``hosts.Blocks``, a sharded table's shards); others get
+      some rows (``processes.Blocks``, a sharded table's shards); others get
       NumPy arrays.
   """
 
