@@ -3,17 +3,17 @@
 // Each kernel computes exactly what its pure-XLA counterpart in the Python
 // package computes (the XLA code is the reference and the GPU/TPU path):
 //
-//   jaxres_locate     OpenAddressingTable._locate     (open_addressing.py)
-//   jaxres_lookup     OpenAddressingTable._lookup_rows (open_addressing.py)
-//   jaxres_search     SortedTable._search              (sorted_table.py)
-//   jaxres_owner      claims.owner_per_key            (claims.py)
-//   jaxres_upsert     placing.upsert_slots            (placing.py)
-//   jaxres_prefix_sum claims.prefix_sum               (claims.py)
-//   jaxres_evict      evicting.evict                  (evicting.py)
-//   jaxres_read_rows  rows.read_rows                  (rows.py)
-//   jaxres_write_rows rows.write_rows                 (rows.py)
-//   jaxres_take_rows  rows.take_rows                  (rows.py)
-//   jaxres_group_sums batch.group_sums                (batch.py)
+//   jaxres_locate     OpenAddressingTable._locate      (storages/open_addressing.py)
+//   jaxres_lookup     OpenAddressingTable._lookup_rows (storages/open_addressing.py)
+//   jaxres_search     SortedTable._search              (storages/sorted_arrays.py)
+//   jaxres_owner      claims.owner_per_key             (kernels/claims.py)
+//   jaxres_upsert     placing.upsert_slots             (storages/placing.py)
+//   jaxres_prefix_sum claims.prefix_sum                (kernels/claims.py)
+//   jaxres_evict      eviction_rounds.evict            (storages/eviction_rounds.py)
+//   jaxres_read_rows  row_ops.read_rows                (kernels/row_ops.py)
+//   jaxres_write_rows row_ops.write_rows               (kernels/row_ops.py)
+//   jaxres_take_rows  row_ops.take_rows                (kernels/row_ops.py)
+//   jaxres_group_sums grouping.group_sums              (kernels/grouping.py)
 //
 // The XLA versions work in data-parallel rounds; these run the same rounds
 // one row at a time, without the per-op overhead of XLA:CPU, with software
@@ -83,7 +83,7 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t grain, int64_t align,
   progress->finished.wait(lock, [&] { return progress->done == ranges; });
 }
 
-// ------------------------------------------------------------- hashing.py
+// ------------------------------------------------------------- encoding/hashing.py
 
 inline uint32_t Rotl(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
 
@@ -656,7 +656,7 @@ ffi::Error PrefixSum(ffi::Buffer<ffi::S32> x, ffi::ResultBuffer<ffi::S32> out) {
   return ffi::Error::Success();
 }
 
-// batch.admit: which new rows may insert when `room` more keys fit (the rows of the first
+// grouping.admit: which new rows may insert when `room` more keys fit (the rows of the first
 // `room` distinct new keys, by first occurrence); returns the number of new keys left out.
 int64_t Admit(const uint32_t* words, int64_t n, int64_t W, const bool* is_new, int64_t room, bool* admitted) {
   std::vector<int32_t> owner(n);
@@ -923,26 +923,30 @@ ffi::Error Upsert(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records_in, ffi::B
   });
 }
 
-// rows.read_rows: the rows `index` (clipped) of `leaf`, and `leaf` itself as an
-// output (aliased: unchanged, in place), which the caller then writes into.
-ffi::Error ReadRows(ffi::AnyBuffer leaf, ffi::Buffer<ffi::S32> index, ffi::Result<ffi::AnyBuffer> leaf_out,
-                    ffi::Result<ffi::AnyBuffer> rows_out) {
+// The rows `index` (clipped to the leaf) of `leaf` into `to`, each fetched kAhead rows ahead.
+void GatherRows(const ffi::AnyBuffer& leaf, const ffi::Buffer<ffi::S32>& index, char* to) {
   const char* from = static_cast<const char*>(leaf.untyped_data());
-  if (leaf_out->untyped_data() != leaf.untyped_data()) {
-    std::memcpy(leaf_out->untyped_data(), from, leaf.size_bytes());
-  }
   const int64_t bytes = RowBytes(leaf), count = leaf.dimensions()[0], n = index.element_count();
   const int32_t* at = index.typed_data();
-  char* to = static_cast<char*>(rows_out->untyped_data());
   auto row = [&](int64_t i) { return from + std::clamp<int64_t>(at[i], 0, count - 1) * bytes; };
   for (int64_t i = 0; i < n; ++i) {
     if (i + kAhead < n) PrefetchRow(row(i + kAhead), bytes);
     CopyRow(to + i * bytes, row(i), bytes);
   }
+}
+
+// row_ops.read_rows: the rows `index` (clipped) of `leaf`, and `leaf` itself as an
+// output (aliased: unchanged, in place), which the caller then writes into.
+ffi::Error ReadRows(ffi::AnyBuffer leaf, ffi::Buffer<ffi::S32> index, ffi::Result<ffi::AnyBuffer> leaf_out,
+                    ffi::Result<ffi::AnyBuffer> rows_out) {
+  if (leaf_out->untyped_data() != leaf.untyped_data()) {
+    std::memcpy(leaf_out->untyped_data(), leaf.untyped_data(), leaf.size_bytes());
+  }
+  GatherRows(leaf, index, static_cast<char*>(rows_out->untyped_data()));
   return ffi::Error::Success();
 }
 
-// rows.write_rows: each leaf with row i of its `rows` written at index[i] where mask[i], in
+// row_ops.write_rows: each leaf with row i of its `rows` written at index[i] where mask[i], in
 // batch order, so that of the rows naming one index the last wins; indices outside the leaves
 // are dropped. Arguments after the mask: the leaves, then as many row arrays [n, ...]; the
 // leaves are updated in place (aliased), one pass over the batch for all of them.
@@ -985,17 +989,9 @@ ffi::Error WriteRows(ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::PRED> mask, f
   return ffi::Error::Success();
 }
 
-// rows.take_rows: the rows `index` (clipped) of `leaf`.
+// row_ops.take_rows: the rows `index` (clipped) of `leaf`.
 ffi::Error TakeRows(ffi::AnyBuffer leaf, ffi::Buffer<ffi::S32> index, ffi::Result<ffi::AnyBuffer> rows_out) {
-  const char* from = static_cast<const char*>(leaf.untyped_data());
-  const int64_t bytes = RowBytes(leaf), count = leaf.dimensions()[0], n = index.element_count();
-  const int32_t* at = index.typed_data();
-  char* to = static_cast<char*>(rows_out->untyped_data());
-  auto row = [&](int64_t i) { return from + std::clamp<int64_t>(at[i], 0, count - 1) * bytes; };
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) PrefetchRow(row(i + kAhead), bytes);
-    CopyRow(to + i * bytes, row(i), bytes);
-  }
+  GatherRows(leaf, index, static_cast<char*>(rows_out->untyped_data()));
   return ffi::Error::Success();
 }
 
@@ -1024,7 +1020,7 @@ std::vector<int32_t> SortedRows(const int32_t* key, int64_t n) {
   return rows;
 }
 
-// batch.group_sums: the distinct groups >= 0 in ascending order (-1 after them), and for each
+// grouping.group_sums: the distinct groups >= 0 in ascending order (-1 after them), and for each
 // the sum of its rows of x as the same balanced tree over its rows in batch order.
 template <typename T>
 void GroupSumsOf(const int32_t* group, const T* x, int64_t n, int64_t width, int32_t* groups, T* sums) {
@@ -1096,7 +1092,7 @@ class SlotSet {
 };
 
 
-// evicting.evict, round for round: each round the lowest pending rows (half
+// eviction_rounds.evict, round for round: each round the lowest pending rows (half
 // the batch first, then a chunk) choose the lowest-score eligible entry of
 // their current bucket from the records as the round found them; rows whose
 // victim is lower than their own score claim it (scratch cells, as
