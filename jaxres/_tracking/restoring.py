@@ -12,19 +12,19 @@ already made, so a failing restore leaves every object as it was.
   queued on its owner (if the owner can tell when it is attached, as an
   ``AutoTrackable`` can) and restored on attach. Only the arrays such pending
   paths may still need are kept in memory.
-* **The later restore wins.** Restores are numbered. An object records the
-  number of the restore that last wrote its arrays, and an owner the number
-  that last replaced each of its values (arrays, functional tables, tuples);
-  an earlier restore reaching them afterwards (through a deferred attach)
-  does not overwrite them, and one whose checkpoint no longer matches what is
-  attached is simply superseded.
+* **The later restore wins.** A restore that still waits for paths hears of
+  what every later restore writes (the objects whose arrays it wrote, and the
+  values an owner holds that it replaced: arrays, functional tables, tuples),
+  and reaching them afterwards (through a deferred attach) does not overwrite
+  them; one whose checkpoint no longer matches what is attached is simply
+  superseded. Nothing is kept of a restore once nothing of it waits.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -36,56 +36,97 @@ from jaxres._tracking.identity import IdentityMap, reference, weakly_referenceab
 from jaxres._tracking.manifest import Reader
 from jaxres._tracking.status import Ledger, LoadStatus
 
-_NUMBERS = itertools.count(1)
-
 
 class Writes:
-  """Which restore (by number) last wrote each object's arrays, and each value an owner holds."""
+  """The objects whose arrays some restores wrote, and the values they replaced (owner, relative path)."""
 
   def __init__(self):
-    self.objects = IdentityMap()  # object -> number
-    self.slots = IdentityMap()  # owner -> {relative path of a value child: number}
+    self.objects = IdentityMap()  # object -> True
+    self.slots = IdentityMap()  # owner -> {relative path of a value child}
 
-  def of_object(self, obj: Any) -> int:
-    return self.objects.get(obj, 0)
+  def has_object(self, obj: Any) -> bool:
+    return self.objects.get(obj, False)
 
-  def of_slot(self, owner: Any, relative: str) -> int:
-    return self.slots.get(owner, {}).get(relative, 0)
+  def has_slot(self, owner: Any, relative: str) -> bool:
+    return relative in self.slots.get(owner, ())
 
-  def object_written(self, obj: Any, number: int) -> None:
-    self.objects[obj] = number
+  def object_written(self, obj: Any) -> None:
+    self.objects[obj] = True
 
-  def slot_written(self, owner: Any, relative: str, number: int) -> None:
+  def slot_written(self, owner: Any, relative: str) -> None:
     slots = self.slots.get(owner)
     if slots is None:
-      slots = self.slots[owner] = {}
-    slots[relative] = number
+      slots = self.slots[owner] = set()
+    slots.add(relative)
 
   def merge(self, other: Writes, *, lasting: bool = False) -> None:
     """Takes ``other``'s records; ``lasting``: only those of objects that can be weakly referenced
-    (the record of every restore must not keep lists and dicts alive)."""
-    for obj, number in other.objects.items():
+    (a waiting restore's records must not keep lists and dicts alive)."""
+    for obj, _ in other.objects.items():
       if not lasting or weakly_referenceable(obj):
-        self.object_written(obj, number)
+        self.object_written(obj)
     for owner, slots in other.slots.items():
       if not lasting or weakly_referenceable(owner):
-        for relative, number in slots.items():
-          self.slot_written(owner, relative, number)
-
-
-_LAST_WRITES = Writes()  # of every committed restore
+        for relative in slots:
+          self.slot_written(owner, relative)
 
 
 class Restore:
-  """One call of ``restore``: the checkpoint read, its number, and what it has done so far."""
+  """One call of ``restore``: the checkpoint read, what it has done so far, and what later restores wrote.
+
+  From its start until nothing of it waits any more, a restore is in
+  :data:`_UNDER_WAY` (weakly: a restore whose deferred paths can never be
+  attached, their owners gone, goes with them).
+  """
 
   def __init__(self, reader: Reader):
-    self.reader, self.number, self.ledger = reader, next(_NUMBERS), Ledger()
+    self.reader, self.ledger = reader, Ledger()
     self.waiting: dict[str, str] = {}  # program path -> checkpoint path, of the deferred restores
+    self.later = Writes()  # what restores begun after this one wrote, while this one waits
+    _UNDER_WAY.begin(self)
 
   def settle(self) -> None:
-    """Drops the arrays that no pending path can need any more."""
+    """Drops the arrays that no pending path can need any more; ends the restore when none waits."""
     self.reader.retain(self.waiting.values())
+    if not self.waiting:
+      _UNDER_WAY.end(self)
+
+
+class UnderWay:
+  """The restores begun and not yet done, oldest first: who must hear of a restore's writes."""
+
+  def __init__(self):
+    self._restores: list[weakref.ref] = []
+    self._lock = threading.Lock()
+
+  def begin(self, restore: Restore) -> None:
+    with self._lock:
+      self._restores = [r for r in self._restores if r() is not None] + [weakref.ref(restore)]
+
+  def end(self, restore: Restore) -> None:
+    with self._lock:
+      self._restores = [r for r in self._restores if r() not in (None, restore)]
+
+  def newest_first(self, restores: list[Restore]) -> list[Restore]:
+    order = self._order()
+    return sorted(restores, key=lambda r: order.get(id(r), -1), reverse=True)
+
+  def written(self, restore: Restore, writes: Writes) -> None:
+    """Tells each restore begun before ``restore`` and still under way what ``restore`` wrote."""
+    for older in self._alive():
+      if older is restore:
+        break
+      older.later.merge(writes, lasting=True)
+
+  def _alive(self) -> list[Restore]:
+    with self._lock:
+      return [r for ref in self._restores if (r := ref()) is not None]
+
+  def _order(self) -> dict[int, int]:
+    return {id(r): i for i, r in enumerate(self._alive())}
+
+
+_UNDER_WAY = UnderWay()
 
 
 def restore(root: Any, reader: Reader) -> LoadStatus:
@@ -108,11 +149,13 @@ class Transaction:
 
   def __init__(self):
     self.changes: list[tuple[str, Commit]] = []
-    self.writes = Writes()
+    self.writes = Writes()  # of the plans accepted so far: restores later than the next plan's
+    self._plans: list[Plan] = []
 
   def accept(self, plan: Plan) -> None:
     self.changes += plan.changes
     self.writes.merge(plan.writes)
+    self._plans.append(plan)
 
   def commit(self) -> None:
     undos = []
@@ -128,7 +171,8 @@ class Transaction:
       for undo in reversed(undos):
         undo()
       raise
-    _LAST_WRITES.merge(self.writes, lasting=True)
+    for plan in self._plans:
+      _UNDER_WAY.written(plan.restore, plan.writes)
 
 
 class Plan:
@@ -162,7 +206,6 @@ class Plan:
       raise TypeError(
         f"{path or errors.ROOT}: the checkpoint holds {saved} (kind {node['kind']}), got {got}."
       )
-    number = self.restore.number
     if handle.shared:
       seen = self.ledger.objects.get(obj, self.restore.ledger.objects.get(obj))
       if seen is not None:  # met before in this restore: restored (or being restored) already
@@ -174,11 +217,11 @@ class Plan:
         self.ledger.sharing.add(path)  # two objects here, one in the checkpoint: both restored
       self.ledger.objects[obj] = node_path
       self.ledger.first_object.setdefault(node_path, reference(obj))
-      frozen = self._last_write(Writes.of_object, obj) > number
+      frozen = self._written_later(Writes.has_object, obj)
       if not frozen:
-        self.writes.object_written(obj, number)
+        self.writes.object_written(obj)
     else:
-      frozen = inherited or (owner is not None and self._last_write(Writes.of_slot, owner, relative) > number)
+      frozen = inherited or (owner is not None and self._written_later(Writes.has_slot, owner, relative))
     self.ledger.matched.add(path)
     self.ledger.consumed.add(node_path)
     new = obj
@@ -198,7 +241,7 @@ class Plan:
       self.changes += [(path, commit) for commit in commits]
       if handle.shared:
         for child in replaced:
-          self.writes.slot_written(obj, child, number)
+          self.writes.slot_written(obj, child)
     return new
 
   def _visit_children(self, handle: Handle, path: str, node_path: str, node: dict, inherited: bool) -> dict:
@@ -226,9 +269,9 @@ class Plan:
     }
     return replaced
 
-  def _last_write(self, of: Callable[..., int], *key: Any) -> int:
-    records = (self.writes, self.transaction.writes, _LAST_WRITES)
-    return max(of(record, *key) for record in records)
+  def _written_later(self, has: Callable[..., bool], *key: Any) -> bool:
+    """Whether a later restore wrote there: one committed while this one waited, or one of the same attach."""
+    return any(has(record, *key) for record in (self.transaction.writes, self.restore.later))
 
   def _first_object(self, node_path: str) -> Any:
     ref = self.ledger.first_object.get(node_path) or self.restore.ledger.first_object.get(node_path)
@@ -270,7 +313,8 @@ class DeferredQueue:
       if not self._waiting or not _is_content(value):
         place(value)
         return not self._waiting
-      waiting = sorted(self._waiting, key=lambda entry: entry[0].number, reverse=True)
+      order = _UNDER_WAY.newest_first([restore for restore, _, _ in self._waiting])
+      waiting = sorted(self._waiting, key=lambda entry: order.index(entry[0]))
       transaction = Transaction()
       owner = self._owner()
       attached, plans, served = value, [], []  # served: (restore, path) no longer waiting here
@@ -287,7 +331,8 @@ class DeferredQueue:
         if i == 0 and new is not value:
           attached = new
           if owner is not None:
-            transaction.writes.slot_written(owner, self._relative, restore.number)
+            for record in (plan.writes, transaction.writes):  # the later plans', and older restores' to hear
+              record.slot_written(owner, self._relative)
         plans.append(plan)
         served.append((restore, path))
       transaction.changes.append((waiting[0][1], lambda: place(attached)))
