@@ -20,6 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from oracle import mesh_of
 
 import jaxres as jr
+from jaxres._persistence import table_arrays
 
 BATCH = 4
 CAPACITY = 4  # one bucket of 8 slots: every new key's candidates are the whole table
@@ -416,7 +417,7 @@ def test_a_table_restored_into_its_own_layout_continues_exactly(tmp_path, sharde
 
 def test_corrupted_slots_are_a_value_error_and_change_nothing():
   table, _ = _random_calls(_create(jr.LRU(), 8), seed=13)
-  arrays = table._serialize_to_arrays()
+  arrays = table_arrays.to_arrays(table)
   for slots in (np.zeros_like(arrays["slots"]), arrays["slots"] + 10**6):
     with pytest.raises(ValueError, match="slots"):
-      table._from_arrays(arrays | {"slots": slots})
+      table_arrays.from_arrays(table, arrays | {"slots": slots})

@@ -24,6 +24,7 @@ LAYERS = {
   "jaxres._core": 0.2,
   "jaxres._core.storages": 0.3,
   "jaxres._core.sharding": 0.4,
+  "jaxres._persistence": 0.9,
   "jaxres.keys": 1,
   "jaxres._shell": 1,
   "jaxres._tracking": 2,

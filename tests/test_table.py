@@ -318,3 +318,49 @@ def test_assign_replaces_present_values_only_and_keeps_scores(kind, policy):
       model[key] = value  # the last active row wins
   assert (int(table.size), int(table.clock), table.scores(pool).tolist()) == before
   assert table.find(pool).tolist() == [model.get(k, -1) for k in pool.tolist()]
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_live_entries_and_placed_give_back_the_same_table(storage):
+  """Entries out (live_entries) and back in at their slots (placed): the same slots, scores, counters."""
+  keys = np.array([7, -3, 2**40, 11, 5], np.int64)
+  values = np.arange(5, dtype=np.float32)
+  table = storage.create(capacity=16, key=np.int64, value=np.float32, default=0.0)
+  table = table.insert(keys, values).remove(np.array([11], np.int64))
+  if storage is jr.OpenAddressingTable:
+    table = jr.OpenAddressingTable.create(
+      capacity=16, key=np.int64, value=np.float32, default=0.0, eviction=jr.LFU()
+    ).insert(keys, values)
+  live = table.live_entries()
+  want = {int(k): float(v) for k, v in zip(keys, values) if storage is jr.OpenAddressingTable or k != 11}
+  assert live.keys.dtype == np.int64
+  assert dict(zip(live.keys.tolist(), live.leaves[0].tolist())) == want
+  assert (live.scores is not None) == (table.eviction is not None)
+  assert (live.slots is not None) == (table.slot_layout is not None)
+  empty = table.import_(np.zeros(0, np.int64), np.zeros(0, np.float32))
+  back = empty.placed(live.keys, live.leaves[0], live.scores, live.slots).with_counters(table.clock, 0)
+  assert entries(back) == entries(table)
+  if table.slot_layout is not None:  # each entry in its slot, with its score
+    for a, b in zip(
+      jax.tree.leaves(back.export_batch(0, table.num_slots)),
+      jax.tree.leaves(table.export_batch(0, table.num_slots)),
+    ):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert int(back.clock) == int(table.clock)
+
+
+def test_placed_refuses_slots_that_cannot_hold_the_keys():
+  table = jr.OpenAddressingTable.create(capacity=16, key=np.int32, value=np.float32, default=0.0)
+  live = table.insert(np.array([1, 2], np.int32), np.ones(2, np.float32)).live_entries()
+  for slots in (np.zeros(2, np.int32), live.slots + 10**6):
+    with pytest.raises(ValueError, match="slots"):
+      table.placed(live.keys, live.leaves[0], None, slots)
+
+
+def test_import_words_matches_import():
+  keys = np.array([2**33 + 1, 5, -(2**40)], np.int64)
+  values = np.arange(3, dtype=np.float32)
+  table = jr.OpenAddressingTable.create(capacity=8, key=np.int64, value=np.float32, default=0.0)
+  words, _ = table.key_spec.encode(keys, "keys")
+  imported = table.import_words(jnp.asarray(words).reshape(3, -1), [jnp.asarray(values)], jnp.ones(3, bool))
+  assert entries(imported) == entries(table.import_(keys, values))

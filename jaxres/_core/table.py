@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxres._core import call_args, display, entries, processes
+from jaxres._core import call_args, display
 from jaxres._core.encoding import key_specs
 from jaxres._core.encoding.value_specs import ValueSpec
 from jaxres._core.kernels.row_ops import select_rows
@@ -142,6 +142,15 @@ def _jit_slots(table: Table, offset, *, size: int):
   return table._slot_rows(offset, size)
 
 
+class LiveEntries(NamedTuple):
+  """A table's live entries on the host (:meth:`Table.live_entries`), ``n`` of them."""
+
+  keys: np.ndarray  # [n, *key_shape], the exact key dtype
+  leaves: list[np.ndarray]  # each value leaf, [n, *leaf_shape]
+  scores: np.ndarray | None  # uint32[n], where the table keeps scores
+  slots: np.ndarray | None  # int[n], where the storage keeps a slot layout
+
+
 class RowHandles(NamedTuple):
   """What :meth:`Table.find_or_insert_rows` did for each key: its value row and how it got it.
 
@@ -186,8 +195,6 @@ class Table(abc.ABC):
   then reuses this table's buffers, and this table may no longer be used
   (its arrays are deleted). The stateful tables donate the state they own.
   """
-
-  _checkpoint_kind = "table"  # checkpoints of stateful and functional tables are interchangeable
 
   # Fields every storage declares (see the storage modules).
   values: tuple
@@ -640,11 +647,7 @@ class Table(abc.ABC):
     rows = call_args.prepare(self, keys, values, valid, scores, explicit_scores=True)
     if not rows.n:
       return self._cleared()
-    return self._imported_rows(rows.words, rows.leaves, rows.active, rows.given_scores)
-
-  def _imported_rows(self, words, leaves, active, given_scores) -> Table:
-    """:meth:`import_` of encoded rows: key ``words``, storage ``leaves``, ``active``, ``given`` scores."""
-    return _jit_upsert(self._cleared(), words, leaves, active, given_scores, mode=Upsert.INSERT)[0]
+    return self.import_words(rows.words, rows.leaves, rows.active, rows.given_scores)
 
   def resize(self, capacity: int) -> Table:
     """The same contents (and scores) in a table of another ``capacity`` (static).
@@ -662,94 +665,63 @@ class Table(abc.ABC):
     given_scores = scores if self.eviction is not None else None
     return _jit_upsert(target, words, leaves, valid, given_scores, mode=Upsert.INSERT, tick=False)[0]
 
-  # ------------------------------------------------------ checkpoints
+  # ------------------------------------------------ entries in and out
 
-  def _serialize_to_arrays(self) -> dict[str, np.ndarray]:
-    """The live entries as named host arrays (see :mod:`entries`): keys in their exact dtype."""
-    counters = None if self.eviction is None else {"clock": self.clock, "evictions": self.evictions}
-    return entries.to_arrays(
-      self._live_entries(), self.value_spec, jax.device_get(counters), self._layout_shape()
-    )
+  def live_entries(self) -> LiveEntries:
+    """The live entries on the host, in their exact dtypes (keys and values, with scores and slots).
 
-  def _from_arrays(self, arrays) -> Table:
-    """This table (its storage, capacity, mesh) holding exactly the entries of ``arrays``.
+    ``scores`` where the table has an eviction policy; ``slots`` (where each
+    entry sits) where the storage places entries by slot (:attr:`slot_layout`
+    is not ``None``): :meth:`placed` puts them back exactly there. O(capacity).
 
-    Scores and the clock are restored when both the checkpoint and this table
-    keep them; entries saved without scores are scored as inserted now. A
-    table of the saved layout gets each entry back in its slot (see
-    :mod:`entries`).
-
-    Raises:
-      TypeError: ``arrays`` are not a table's.
-      ValueError: keys or values of other dtypes or shapes, or more entries
-        than the capacity holds.
+    Example:
+      >>> import numpy as np, jaxres as jr
+      >>> t = jr.SortedTable.empty(8, np.int32, np.float32).insert(np.array([3, 1]), np.ones(2, np.float32))
+      >>> t.live_entries().keys
+      array([1, 3], dtype=int32)
     """
-    saved = entries.from_arrays(arrays, self.key_spec, self.value_spec)
-    keep = self.eviction is not None
-    same = (
-      saved.slots is not None
-      and set(self._local_shards()) <= set(saved.shards)
-      and (saved.scores is not None) == keep
-      and len(saved.keys) <= self.capacity
-      and np.array_equal(saved.layout, self._layout_shape())
-    )
-    if same:
-      table = self._placed(saved.keys, saved.values, saved.scores, dict(zip(saved.shards, saved.slots)))
-    else:
-      scores = saved.scores if keep else None
-      if keep and scores is None and self.eviction.takes_scores:
-        scores = np.zeros(len(saved.keys), np.uint32)
-      table = self._imported_saved(saved.keys, saved.values, scores, saved.complete)
-      lost = int(table.dropped) + int(table.evictions) - (int(self.evictions) if keep else 0)
-      if lost:
-        raise ValueError(
-          f"{len(saved.keys)} entries do not fit a table of capacity {self.capacity} ({lost} would be lost)."
-        )
-    return table._restored_counters(saved.counters) if keep and saved.counters else table
-
-  def _imported_saved(self, keys, values, scores, complete: bool) -> Table:
-    """:meth:`import_` of saved entries; ``complete=False``: each process holds a part of them.
-
-    A table that each process holds whole takes every process's part.
-    """
-    if not complete:
-      leaves, treedef = jax.tree.flatten(values)
-      keys, *leaves = processes.gather_rows([keys, *leaves])
-      values = jax.tree.unflatten(treedef, leaves)
-      scores = None if scores is None else processes.gather_rows([scores])[0]
-    return self.import_(keys, values, scores=scores)
-
-  def _live_entries(self) -> entries.Entries:
-    """The live entries on the host, ``(keys, value leaves, scores, slots)``, in exact dtypes."""
     words, leaves, scores, valid = jax.device_get(_jit_compact(self))
-    slots = self._live_slots()
     live = np.asarray(valid)
     keys = self.key_spec.decode(jnp.asarray(np.asarray(words)[live]))
     values = self.value_spec.from_storage([jnp.asarray(np.asarray(x)[live]) for x in leaves])
-    kept = np.asarray(scores)[live] if self.eviction is not None else None
-    return np.asarray(keys), [np.asarray(x) for x in jax.tree.leaves(values)], kept, slots
+    return LiveEntries(
+      np.asarray(keys),
+      [np.asarray(x) for x in jax.tree.leaves(values)],
+      np.asarray(scores)[live] if self.eviction is not None else None,
+      self._live_slots(),
+    )
 
-  def _layout_shape(self) -> np.ndarray | None:
-    """The shape slot numbers refer to, saved with them; ``None``: entries alone fix the layout."""
+  @property
+  def slot_layout(self) -> np.ndarray | None:
+    """The shape the slots of :meth:`live_entries` refer to: ``[shards, buckets, slots per bucket]``.
+
+    ``None``: the entries alone fix where they sit (a sorted table).
+    """
     return None
 
-  def _live_slots(self) -> np.ndarray | None:
-    """The slots of the live entries (in export order), where :meth:`_layout_shape` is kept."""
-    return None
+  def placed(self, keys, values, scores, slots) -> Table:
+    """An empty table like this one holding the entries at ``slots``, as :meth:`live_entries` gave them.
 
-  def _placed(self, keys, values, scores, slots: dict) -> Table:
-    """An empty table like this one holding the entries at ``slots`` (shard -> its entries' slots).
+    A table of the same :attr:`slot_layout` then sits exactly as the one the
+    entries came from (so it evicts exactly as that one would). ``scores``:
+    ``uint32[n]`` or ``None``.
 
-    The entries are those of the shards in ``slots``, in order; they include
-    every shard of :meth:`_local_shards`. Only called with a layout this
-    table keeps (:meth:`_layout_shape`); see :mod:`entries`.
+    Raises:
+      ValueError: slots out of range, repeated, or not where the keys may sit.
     """
     del slots
     return self.import_(keys, values, scores=scores)
 
-  def _local_shards(self) -> list[int]:
-    """The shards this process holds (a table that is not split holds its one shard, 0)."""
-    return [0]
+  def import_words(self, words, leaves, valid, scores=None) -> Table:
+    """:meth:`import_` of encoded rows: key ``words`` (``uint32[n, words]``, as
+    ``key_spec.encode`` gives them), the stored value ``leaves``, ``valid`` and
+    ``scores`` (``uint32[n]`` or ``None``); jax arrays, placed as they are (a
+    sharded table's rows may be spread over several processes)."""
+    return _jit_upsert(self._cleared(), words, leaves, valid, scores, mode=Upsert.INSERT)[0]
+
+  def _live_slots(self) -> np.ndarray | None:
+    """The slots of the live entries (in :meth:`live_entries` order), where :attr:`slot_layout` is kept."""
+    return None
 
   def __repr__(self) -> str:
     size = "traced" if key_specs.is_traced(self.size) else int(self.size)
@@ -791,8 +763,8 @@ class Table(abc.ABC):
     """This table with ``other``'s clock and eviction count (an empty table taking over)."""
 
   @abc.abstractmethod
-  def _restored_counters(self, counters: dict) -> Table:
-    """This table with a checkpoint's ``clock`` and ``evictions``."""
+  def with_counters(self, clock, evictions) -> Table:
+    """This table with the given ``clock`` and ``evictions`` counts (as a restored table resumes them)."""
 
   @abc.abstractmethod
   def _tick(self) -> Table:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxres._core import display, entries
+from jaxres._core import display
 from jaxres._core.encoding import key_specs
 from jaxres._core.encoding.value_specs import ValueSpec
 from jaxres._core.policies import check_policy
@@ -18,6 +18,7 @@ from jaxres._core.storages.open_addressing import OpenAddressingTable
 from jaxres._core.storages.sorted_arrays import SortedTable
 from jaxres._core.table import Table, check_capacity
 from jaxres._errors import KeysLostError
+from jaxres._persistence import saved_entries, table_arrays
 from jaxres._shell.resource import Resource
 from jaxres._shell.table_codecs import KeyCodec, ValueCodec
 
@@ -56,7 +57,7 @@ class LookupTable(Resource):
   two restore into each other), and restore into any capacity.
   """
 
-  _checkpoint_kind = "table"
+  _checkpoint_kind = table_arrays.KIND
 
   def __init__(
     self,
@@ -120,18 +121,18 @@ class LookupTable(Resource):
   # -------------------------------------------------------- checkpoints
 
   def _serialize_to_arrays(self) -> dict[str, np.ndarray]:
-    return self.state._serialize_to_arrays()  # live entries only (not the lost-in-jit report)
+    return table_arrays.to_arrays(self.state)  # live entries only (not the lost-in-jit report)
 
   def _restore_from_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
     """Makes the checkpointed entries the contents, all checked before the state changes (the
     undo of :meth:`Resource._prepare_restore` puts the state from before back)."""
     codecs = {"keys": self._key_codec, "values": self._value_codec}
     arrays = {  # string rows written for another maximum length are re-encoded
-      name: codecs[field].fit(array, name) if (field := entries.field_of(name)) in codecs else array
+      name: codecs[field].fit(array, name) if (field := saved_entries.field_of(name)) in codecs else array
       for name, array in arrays.items()
     }
-    rows = entries.count(arrays)
-    self.state = self._empty(self._room_for(rows))._from_arrays(arrays)
+    rows = saved_entries.count(arrays)
+    self.state = table_arrays.from_arrays(self._empty(self._room_for(rows)), arrays)
 
   def _current(self):
     """The state, after reporting keys lost inside jit (eager use only).

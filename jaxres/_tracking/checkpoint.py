@@ -21,7 +21,7 @@ import tempfile
 import time
 from typing import Any
 
-from jaxres._core import processes
+from jaxres._persistence import processes
 from jaxres._shell.trackable import AutoTrackable
 from jaxres._tracking import manifest, orbax_io, restoring, saving
 from jaxres._tracking.status import LoadStatus

@@ -6,7 +6,7 @@ kind's internals. Each type's handle is registered for it (:func:`register`;
 a subclass gets its closest base's):
 
 * a :class:`jaxres.Trackable` implements the protocol itself (:class:`TrackableHandle`);
-* a functional table is a value restored by replacing it (:class:`ValueHandle`);
+* a functional table is a value restored by replacing it (:class:`TableHandle`);
 * JAX and NumPy arrays (:class:`ArrayHandle`);
 * NNX objects and variables (registered by ``jaxres._integrations.nnx``).
 
@@ -30,6 +30,7 @@ import numpy as np
 from jaxres import _errors as errors
 from jaxres._core.pytrees import leaf_names
 from jaxres._core.table import Table
+from jaxres._persistence import table_arrays
 from jaxres._shell.trackable import Commit, Trackable
 from jaxres._tracking import paths
 
@@ -160,24 +161,21 @@ class TrackableHandle(Handle):
     return self._names.get(relative) or paths.unescape(relative)
 
 
-class ValueHandle(Handle):
-  """An immutable value that saves itself and is restored as a new value (a functional table)."""
+class TableHandle(Handle):
+  """A functional table: a value saved as its live entries (:mod:`table_arrays`), restored as a new table."""
 
+  kind = table_arrays.KIND
   shared = False
   takes_parts = True
 
-  def __init__(self, obj: Any):
-    super().__init__(obj)
-    self.kind = type(obj)._checkpoint_kind
-
   def arrays(self):
-    return self.obj._serialize_to_arrays()
+    return table_arrays.to_arrays(self.obj)
 
   def holds_values(self) -> bool:
     return True
 
   def restore(self, arrays):
-    return self.obj._from_arrays(arrays), None
+    return table_arrays.from_arrays(self.obj, arrays), None
 
 
 class ArrayHandle(Handle):
@@ -345,6 +343,6 @@ def _like(old: Any, saved: np.ndarray, name: str) -> Any:
 
 
 register(Trackable, TrackableHandle)
-register(Table, ValueHandle)
+register(Table, TableHandle)
 for _array_type in ARRAY_TYPES:
   register(_array_type, ArrayHandle)

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxres._core import processes
-from jaxres._core.processes import Blocks
+from jaxres._persistence import processes
+from jaxres._persistence.processes import Blocks
 from jaxres._tracking import paths
 
 MANIFEST = "manifest.json"

@@ -22,8 +22,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxres._core import processes
-from jaxres._core.processes import Blocks
+from jaxres._persistence import processes
+from jaxres._persistence.processes import Blocks
 
 ARRAYS_DIR = "arrays"
 

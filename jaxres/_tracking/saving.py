@@ -15,7 +15,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxres import _errors as errors
-from jaxres._core import processes
+from jaxres._persistence import processes
 from jaxres._tracking import paths
 from jaxres._tracking.handles import Handle, handle_for, type_name
 

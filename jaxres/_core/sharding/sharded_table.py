@@ -29,7 +29,6 @@ key stay near one request and one reply unless a batch is skewed.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +36,6 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxres._core import call_args, entries, processes
 from jaxres._core.encoding import key_specs
 from jaxres._core.encoding.value_specs import ValueSpec
 from jaxres._core.kernels import claims
@@ -45,7 +43,7 @@ from jaxres._core.kernels.row_ops import select_rows
 from jaxres._core.modes import Carry
 from jaxres._core.pytrees import pytree_dataclass, static_field
 from jaxres._core.sharding.routing import Route, owner_of, round_rows, shard_capacity_for, travelling
-from jaxres._core.storages.open_addressing import OpenAddressingTable, check_slots
+from jaxres._core.storages.open_addressing import OpenAddressingTable
 from jaxres._core.storages.storage import Storage, exact_reduction
 from jaxres._core.table import Table, check_capacity
 
@@ -239,9 +237,9 @@ class ShardedTable(Table):
     parts = dataclasses.replace(self.parts, clock=other.parts.clock, evictions=other.parts.evictions)
     return dataclasses.replace(self, parts=parts)
 
-  def _restored_counters(self, counters):
-    clock = jnp.full_like(self.shards.clock, counters.get("clock", 0))
-    evictions = jnp.zeros_like(self.shards.evictions).at[0].set(counters.get("evictions", 0))  # a total
+  def with_counters(self, clock, evictions):
+    clock = jnp.full_like(self.shards.clock, clock)
+    evictions = jnp.zeros_like(self.shards.evictions).at[0].set(evictions)  # a total
     return dataclasses.replace(self, parts=dataclasses.replace(self.parts, clock=clock, evictions=evictions))
 
   def _lookup_rows(self, words, defaults):
@@ -392,31 +390,29 @@ class ShardedTable(Table):
     flat = [x.reshape(rows, *x.shape[2:])[order] for x in (words, scores, *leaves)]
     return flat[0], flat[2:], flat[1], valid.reshape(-1)[order]
 
-  def _serialize_to_arrays(self) -> dict:
-    """Each shard's live entries as blocks (see :mod:`entries`).
+  @property
+  def slot_layout(self):
+    shape = self.shards.slot_layout
+    return None if shape is None else np.array([self.num_shards, *shape[1:]])
 
-    On several processes the blocks are global arrays, and each process
-    writes the shards of its own devices.
+  def shard_entries(self, width: int) -> dict:
+    """Each shard's live entries first, in ``[shards, width, ...]`` arrays split over the mesh axis.
+
+    ``"keys"`` (the key words), ``"values"`` (the stored value leaves), with
+    an eviction policy ``"scores"`` and where the storage keeps a slot layout
+    ``"slots"``; a shard's first ``size`` rows are its entries (``width``
+    rows at most). On several processes these are global arrays, each
+    process holding its own devices' shards.
     """
-    counts = processes.replicated(self.shards.size)
-    blocks = _jit_blocks(self, max(1, int(counts.max())))
-    counters = None
-    if self.eviction is not None:
-      clock, evictions = (processes.replicated(x) for x in (self.shards.clock, self.shards.evictions))
-      counters = {"clock": clock[0], "evictions": np.int32(evictions.sum())}
-    return entries.to_blocks(
-      blocks, counts, self.key_spec, self.value_spec, counters=counters, layout=self._layout_shape()
-    )
+    return _jit_shard_entries(self, width)
 
-  def _blocks(self, width: int) -> dict:
-    """``[shards, width, ...]`` arrays split over the mesh axis: each shard's live entries first."""
-
+  def _shard_entries(self, width: int) -> dict:
     def one(shard):
       words, leaves, scores, _ = shard._compact()
       block = {"keys": words[:width], "values": [x[:width] for x in leaves]}
       if self.eviction is not None:
         block["scores"] = scores[:width]
-      if self._layout_shape() is not None:  # the live slots, in the order _compact gives entries
+      if self.slot_layout is not None:  # the live slots, in the order _compact gives entries
         block["slots"] = jnp.nonzero(shard._slots()[1], size=width, fill_value=0)[0].astype(jnp.int32)
       return block
 
@@ -424,76 +420,17 @@ class ShardedTable(Table):
     split = NamedSharding(self.mesh, PartitionSpec(self.axis))
     return jax.tree.map(lambda x: lax.with_sharding_constraint(x, split), blocks)
 
-  def _imported_saved(self, keys, values, scores, complete: bool) -> Table:
-    """Saved entries that each process holds a part of go to their owners without leaving their process.
+  def place_shards(self, words, leaves, scores, slots, valid) -> ShardedTable:
+    """An empty table like this one holding, in each shard, its rows of ``[shards, width, ...]`` arrays
+    at their ``slots`` where ``valid`` (as :meth:`shard_entries` gave them; ``scores`` may be ``None``).
 
-    Only where the shards are the whole mesh and span processes: with replicas
-    (other mesh axes), every process takes every part instead.
+    The arrays are split over the mesh axis like :meth:`shard_entries`'s (global arrays on several
+    processes); the keys' owners and slots are checked by the caller.
     """
-    local = len(self.mesh.local_devices)
-    if complete or self.mesh.devices.size != self.num_shards or local == self.num_shards:
-      return super()._imported_saved(keys, values, scores, complete)
-    n = len(keys)
-    words = np.asarray(self.key_spec.encode(keys, "keys")[0]).reshape(n, -1)
-    leaves = [np.asarray(x) for x in call_args.value_leaves(self, values, (n,))]
-    given_scores = [] if scores is None else [np.asarray(scores, np.uint32)]
-    rows = -(-int(processes.everywhere(np.array(n)).max()) // local) * local or local
     split = NamedSharding(self.mesh, PartitionSpec(self.axis))
-
-    def spread(x):
-      """This process's rows (padded) as its part of a global array split over the axis."""
-      padded = np.zeros((rows, *x.shape[1:]), x.dtype)
-      padded[:n] = x
-      return jax.make_array_from_process_local_data(split, padded, (rows * jax.process_count(), *x.shape[1:]))
-
-    words, active, *rest = (spread(x) for x in (words, np.ones(n, bool), *leaves, *given_scores))
-    leaves, given_scores = (rest[:-1], rest[-1]) if scores is not None else (rest, None)
-    return self._imported_rows(words, leaves, active, given_scores)
-
-  def _layout_shape(self):
-    shape = self.shards._layout_shape()
-    return None if shape is None else np.array([self.num_shards, *shape[1:]])
-
-  def _placed(self, keys, values, scores, slots):
-    """Each of this process's shards gets its saved entries, at their slots (the keys' owners are checked)."""
-    empty = self._cleared()
-    words, _ = self.key_spec.encode(keys, "keys")
-    words = np.asarray(words).reshape(len(keys), -1)
-    leaves = [np.asarray(x) for x in call_args.value_leaves(self, values, (len(keys),))]
-    given_scores = [] if scores is None else [np.asarray(scores, np.uint32)]
-    owners = np.asarray(owner_of(jnp.asarray(words), self.num_shards)) if len(keys) else np.zeros(0, np.int32)
-    ends = np.cumsum([0, *(len(s) for s in slots.values())])
-    parts = {}
-    for (shard, where), (start, end) in zip(slots.items(), itertools.pairwise(ends)):
-      if end - start > self.shard_capacity:
-        raise ValueError(
-          f"{end - start} entries of shard {shard} do not fit its capacity {self.shard_capacity}."
-        )
-      if np.any(owners[start:end] != shard):
-        raise ValueError(f"slots: entries saved under shard {shard} belong to other shards (corrupted).")
-      check_slots(words[start:end], where, self.shards.num_slots)
-      parts[shard] = np.arange(start, end)
-    flat_slots = np.concatenate([np.asarray(s, np.int64) for s in slots.values()]).astype(np.int32)
-    local = self._local_shards()
-    width = max(1, int(processes.everywhere(np.array(max(len(parts[i]) for i in local))).max()))
-    split = NamedSharding(self.mesh, PartitionSpec(self.axis))
-
-    def stacked(x):
-      """This process's shards' rows, padded to one width, as its part of a global array."""
-      rows = np.stack(
-        [np.pad(x[parts[i]], [(0, width - len(parts[i]))] + [(0, 0)] * (x.ndim - 1)) for i in local]
-      )
-      return jax.make_array_from_process_local_data(split, rows, (self.num_shards, *rows.shape[1:]))
-
-    valid = np.arange(width) < np.array([[len(parts[i])] for i in local])
-    words, flat_slots, *rest = (stacked(x) for x in (words, flat_slots, *leaves, *given_scores))
-    leaves, given_scores = (rest[:-1], rest[-1]) if scores is not None else (rest, None)
-    valid = jax.make_array_from_process_local_data(split, valid, (self.num_shards, width))
     place = jax.jit(jax.vmap(lambda shard, *row: shard._place_rows(*row)), out_shardings=split)
-    return empty._with_shards(place(empty.shards, words, leaves, given_scores, flat_slots, valid))
-
-  def _local_shards(self):
-    return sorted(processes.local_rows(self.shards.size))
+    empty = self._cleared()
+    return empty._with_shards(place(empty.shards, words, leaves, scores, slots, valid))
 
   # ----------------------------------------------------------- routing
 
@@ -609,4 +546,4 @@ def _end_to_end(shards: Storage) -> Storage:
   return jax.tree.map(lambda x: x if x.ndim == 1 else x.reshape(-1, *x.shape[2:]), shards)
 
 
-_jit_blocks = jax.jit(ShardedTable._blocks, static_argnums=1)
+_jit_shard_entries = jax.jit(ShardedTable._shard_entries, static_argnums=1)

@@ -137,16 +137,16 @@ class OpenAddressingTable(Storage):
   def num_slots(self) -> int:
     return self.layout.num_slots
 
-  def _layout_shape(self):
+  @property
+  def slot_layout(self):
     return np.array([1, self.buckets.shape[-2], self.bucket_size])  # shards, buckets, slots per bucket
 
   def _live_slots(self):
     return np.flatnonzero(jax.device_get(_jit_live(self)))
 
-  def _placed(self, keys, values, scores, slots):
+  def placed(self, keys, values, scores, slots):
     empty = self._cleared()
     rows = call_args.prepare(empty, keys, values, scores=scores, explicit_scores=True)
-    (slots,) = slots.values()
     check_slots(rows.words[: rows.n], slots, self.num_slots)
     if not rows.n:
       return empty
@@ -453,8 +453,8 @@ def check_slots(words, slots, num_slots: int) -> None:
   bad = slots.shape != (n,) or (n and (slots.min() < 0 or slots.max() >= num_slots))
   if bad or len(np.unique(slots)) != n or len(np.unique(np.asarray(words), axis=0)) != n:
     raise ValueError(
-      f"slots: the checkpoint places {n} entries in slots that a table of {num_slots} "
-      "cannot hold (repeated or out of range slots, or repeated keys): corrupted."
+      f"slots: {n} entries given slots that a table of {num_slots} cannot hold "
+      "(repeated or out of range slots, or repeated keys): corrupted."
     )
 
 

@@ -59,11 +59,9 @@ class Storage(Table):
   def _carry(self, other: Storage) -> Storage:
     return dataclasses.replace(self, clock=other.clock, evictions=other.evictions)
 
-  def _restored_counters(self, counters: dict) -> Storage:
+  def with_counters(self, clock, evictions) -> Storage:
     return dataclasses.replace(
-      self,
-      clock=jnp.asarray(counters.get("clock", 0), jnp.uint32),
-      evictions=jnp.asarray(counters.get("evictions", 0), jnp.int32),
+      self, clock=jnp.asarray(clock, jnp.uint32), evictions=jnp.asarray(evictions, jnp.int32)
     )
 
   def _row_of(self, slot: jax.Array) -> jax.Array:

@@ -38,8 +38,8 @@ import numpy as np
 from jaxres._core.encoding import key_specs
 from jaxres._core.encoding.key_specs import KeySpec
 from jaxres._core.encoding.value_specs import ValueSpec
-from jaxres._core.processes import Blocks
 from jaxres._core.pytrees import leaf_names
+from jaxres._persistence.processes import Blocks
 
 _SHARD = re.compile(r"shards/(\d+)/(.+)")
 
