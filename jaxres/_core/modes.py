@@ -14,13 +14,11 @@ class Upsert(enum.Enum):
     False
   """
 
-  INSERT = "insert"  # every named key takes its values; a key repeated in the batch: its last row
-  FIND_OR_INSERT = "find_or_insert"  # present keys keep theirs; a new key takes its first row's
+  INSERT = ("insert", False)  # every named key takes its values; a key repeated in the batch: its last row
+  FIND_OR_INSERT = ("find_or_insert", True)  # present keys keep theirs; a new key takes its first row's
 
-  @property
-  def keeps_present(self) -> bool:
-    """Whether keys already present keep their values (and the call returns them)."""
-    return self is Upsert.FIND_OR_INSERT
+  def __init__(self, _name: str, keeps_present: bool):
+    self.keeps_present = keeps_present  # keys already present keep their values (the call returns them)
 
 
 class Carry(enum.Enum):

@@ -34,20 +34,20 @@ class NnxHandle(handles.Handle):
     graph = list(nnx.iter_graph(self.obj))  # each node once, children before parents
     owned = {path for path, node in graph if path and isinstance(node, Trackable)}
     found = {}
-    for path, node in graph:
-      if not path or any(path[:k] in owned for k in range(1, len(path))):
+    for keys, node in graph:
+      path = tuple(map(str, keys))
+      if not path or any(keys[:k] in owned for k in range(1, len(keys))):
         continue  # this node itself, or what a trackable holds
       if isinstance(node, nnx.Variable) and not getattr(type(node), "checkpointed", True):
         continue
-      relative = "/".join(paths.escape(str(key)) for key in path)
       if isinstance(node, handles.ARRAY_TYPES):
         raise TypeError(
-          f"{relative}: an array held by an NNX object outside an nnx.Variable cannot be restored in "
-          "place; hold it in an nnx.Variable."
+          f"{paths.relative(path)}: an array held by an NNX object outside an nnx.Variable cannot be "
+          "restored in place; hold it in an nnx.Variable."
         )
       if isinstance(node, Trackable) or (isinstance(node, nnx.Variable) and _value_handle(node) is not None):
-        found[relative] = node
-    return found
+        found[path] = node
+    return paths.by_relative(found)
 
 
 class VariableHandle(handles.Handle):

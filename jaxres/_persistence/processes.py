@@ -14,6 +14,7 @@ import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -37,6 +38,21 @@ class Blocks:
 def is_partitioned(x) -> bool:
   """Whether ``x`` is a ``jax.Array`` that this process holds only part of."""
   return isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated
+
+
+def host_copies(values: list, kinds: str) -> list[np.ndarray | jax.Array]:
+  """A copy of each value: a NumPy array, except a global array split by rows over several processes
+  whose dtype is of ``kinds`` (``np.dtype.kind`` letters), which stays one (copied where it lives)
+  so that each process writes its own rows. Other arrays partly on other processes are gathered."""
+  copies = []
+  for value in values:
+    if is_partitioned(value):
+      if rows_only(value) and value.dtype.kind in kinds:
+        copies.append(jnp.copy(value))
+        continue
+      value = multihost_utils.process_allgather(value, tiled=True)
+    copies.append(np.array(value, copy=True))
+  return copies
 
 
 def rows_only(x: jax.Array) -> bool:

@@ -137,7 +137,7 @@ class Checkpoint(AutoTrackable):
 def collect(root: Any) -> tuple[dict, dict]:
   """``(manifest, arrays)`` of the graph below ``root`` now (arrays copied to the host)."""
   nodes, arrays = saving.collect(root)
-  return manifest.build(nodes, {key: orbax_io.spec_of(value) for key, value in arrays.items()}), arrays
+  return manifest.build(nodes, orbax_io.specs(arrays)), arrays
 
 
 def _staging(path: str) -> str:

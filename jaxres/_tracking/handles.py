@@ -63,6 +63,7 @@ class Handle:
 
   Attributes:
     obj: the object.
+    type: its type's full name (saved with it, to name it in messages).
     kind: a label saved with the object; a restore refuses another kind.
     shared: the object has an identity: saved once, its other paths become
       aliases (values such as arrays are saved at every path instead).
@@ -80,6 +81,7 @@ class Handle:
 
   def __init__(self, obj: Any):
     self.obj = obj
+    self.type = type_name(obj)
 
   def children(self) -> dict[str, Any]:
     """Children by relative path (escaped segments joined by ``/``)."""
@@ -125,10 +127,9 @@ class TrackableHandle(Handle):
     self._names: dict[str, str] = {}
 
   def children(self) -> dict[str, Any]:
-    children = {}
-    for name, child in self.obj._trackable_children().items():
-      self._names[paths.escape(name)] = name
-      children[paths.escape(name)] = child
+    named = {(name,): child for name, child in self.obj._trackable_children().items()}
+    children = paths.by_relative(named)
+    self._names.update(zip(children, (name for (name,) in named)))
     return children
 
   def arrays(self) -> Mapping[str, Any]:

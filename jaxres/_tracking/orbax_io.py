@@ -36,10 +36,18 @@ def absolute_path(path, name: str = "path") -> str:
     raise TypeError(f"{name}: expected a str or os.PathLike, got {path!r}.") from None
 
 
-def spec_of(array: np.ndarray | jax.Array) -> dict:
-  """The JSON description of an array entry, with a checksum of its bytes (of each row when split by rows)."""
+def specs(arrays: dict[str, np.ndarray | jax.Array]) -> dict[str, dict]:
+  """The JSON description of each array entry, with a checksum of its bytes.
+
+  ``arrays``: NumPy arrays, or global arrays split by rows over several
+  processes (the copies a save makes), checksummed row by row.
+  """
+  return {key: _spec_of(array) for key, array in arrays.items()}
+
+
+def _spec_of(array: np.ndarray | jax.Array) -> dict:
   spec = {"shape": list(array.shape), "dtype": str(array.dtype)}
-  if not processes.is_partitioned(array):
+  if isinstance(array, np.ndarray):
     return spec | {"crc32": _checksum(array)}
   local = np.full(array.shape[0], -1, np.int64)
   for row, data in processes.local_rows(array).items():
@@ -65,7 +73,7 @@ def save_arrays(directory: str, arrays: dict[str, np.ndarray | jax.Array]) -> No
 
 
 def load_arrays(directory: str, specs: dict[str, dict]) -> dict[str, np.ndarray | Blocks]:
-  """Reads the arrays described by ``specs`` (key -> :func:`spec_of`) as NumPy arrays.
+  """Reads the arrays described by ``specs`` (key -> its entry of :func:`specs`) as NumPy arrays.
 
   With several processes, an array saved split by rows comes back as the
   :class:`Blocks` of rows this process read.

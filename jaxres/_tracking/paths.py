@@ -28,6 +28,16 @@ def unescape(segment: str) -> str:
   return segment
 
 
+def relative(keys) -> str:
+  """The relative path of a sequence of local names (each escaped)."""
+  return "/".join(escape(key) for key in keys)
+
+
+def by_relative(named: dict) -> dict:
+  """``{relative path: value}`` of ``{local names (a tuple): value}``."""
+  return {relative(keys): value for keys, value in named.items()}
+
+
 def join(path: str, relative: str) -> str:
   """The path of ``relative`` (escaped segments) under ``path`` ("" is the root)."""
   return relative if not path else f"{path}/{relative}"

@@ -10,14 +10,12 @@ import collections
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 
 from jaxres import _errors as errors
 from jaxres._persistence import processes
 from jaxres._tracking import paths
-from jaxres._tracking.handles import Handle, handle_for, type_name
+from jaxres._tracking.handles import Handle, handle_for
 
 _SAVABLE = "biufc"  # bool, integer, float and complex arrays
 
@@ -25,7 +23,8 @@ _SAVABLE = "biufc"  # bool, integer, float and complex arrays
 def collect(root: Any) -> tuple[dict[str, dict], dict[str, np.ndarray | jax.Array]]:
   """``(nodes, arrays)`` of the graph below ``root``: manifest nodes and copies of the arrays.
 
-  Host copies, except arrays split by rows over several processes (see :func:`_host_copy`).
+  Copies, for the save may finish asynchronously, after a jitted update donated the source: on the
+  host, except arrays split by rows over several processes (see :func:`processes.host_copies`).
 
   Raises:
     TypeError: naming the path of an object that is reachable but cannot be
@@ -35,7 +34,8 @@ def collect(root: Any) -> tuple[dict[str, dict], dict[str, np.ndarray | jax.Arra
   if root_handle is None:
     raise TypeError(f"root: cannot checkpoint a {type(root).__name__}.")
   nodes: dict[str, dict] = {}
-  arrays: dict[str, np.ndarray] = {}
+  arrays: dict[str, Any] = {}
+  named: dict[str, tuple[str, str]] = {}  # array key -> (path, array name)
   first_path: dict[int, str] = {}
   held = []  # keeps each shared object alive (and its id unique) during the walk
   queue = collections.deque([("", root_handle)])
@@ -47,15 +47,18 @@ def collect(root: Any) -> tuple[dict[str, dict], dict[str, np.ndarray | jax.Arra
         continue
       first_path[id(handle.obj)] = path
       held.append(handle.obj)
-    node = {"kind": handle.kind, "type": type_name(handle.obj), "arrays": {}, "children": []}
+    node = {"kind": handle.kind, "type": handle.type, "arrays": {}, "children": []}
     try:
       named_arrays = handle.arrays()
     except (TypeError, ValueError) as err:
       raise errors.at_path(path, err) from err
     for name, value in named_arrays.items():
+      if not isinstance(name, str) or not name:
+        raise TypeError(f"{path}: array names must be non-empty str, got {name!r}.")
       key = f"e{len(arrays)}"
-      arrays[key] = _host_copy(value, name, path)
+      arrays[key] = value
       node["arrays"][name] = key
+      named[key] = (path, name)
     try:
       children = handle.children()
     except (TypeError, ValueError) as err:
@@ -73,7 +76,14 @@ def collect(root: Any) -> tuple[dict[str, dict], dict[str, np.ndarray | jax.Arra
       node["children"].append(relative)
       queue.append((child_path, child_handle))
     nodes[path] = node
-  return nodes, arrays
+  copies = dict(zip(arrays, processes.host_copies(list(arrays.values()), _SAVABLE)))
+  for key, copy in copies.items():
+    if copy.dtype.kind not in _SAVABLE:
+      path, name = named[key]
+      raise TypeError(
+        f"{path}: array {name!r} has dtype {copy.dtype}; checkpoints hold numbers and bools only."
+      )
+  return nodes, copies
 
 
 def _handle(obj: Any, path: str) -> Handle | None:
@@ -81,24 +91,3 @@ def _handle(obj: Any, path: str) -> Handle | None:
     return handle_for(obj)
   except (TypeError, ValueError) as err:
     raise errors.at_path(path, err) from err
-
-
-def _host_copy(value: Any, name: str, path: str) -> np.ndarray | jax.Array:
-  """A copy: the save may finish asynchronously, after a jitted update donated the source.
-
-  An array partly on other processes stays a global array (copied where it
-  lives) when split by rows, so that each process writes its own; other
-  ones are gathered.
-  """
-  if not isinstance(name, str) or not name:
-    raise TypeError(f"{path}: array names must be non-empty str, got {name!r}.")
-  if processes.is_partitioned(value):
-    if processes.rows_only(value) and value.dtype.kind in _SAVABLE:
-      return jnp.copy(value)
-    value = multihost_utils.process_allgather(value, tiled=True)
-  array = np.array(value, copy=True)
-  if array.dtype.kind not in _SAVABLE:
-    raise TypeError(
-      f"{path}: array {name!r} has dtype {array.dtype}; checkpoints hold numbers and bools only."
-    )
-  return array
