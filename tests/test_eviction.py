@@ -259,7 +259,7 @@ def test_runs_are_deterministic(sharded):
 
 
 def test_jit_does_not_retrace_and_vmap_runs_stacked_tables():
-  from jaxres._core import table as table_lib
+  from jaxres._core import row_protocol
 
   step = jax.jit(lambda t, k, v: t.insert_and_evict(k, v))
   table = _create(jr.LRU(), 4)
@@ -267,10 +267,10 @@ def test_jit_does_not_retrace_and_vmap_runs_stacked_tables():
   compiled = step._cache_size()
   table, evicted = step(table, jr.keys.split64(POOL[6:]), jnp.arange(6, dtype=jnp.int32))
   assert step._cache_size() == compiled and np.asarray(evicted.valid).sum() == 6
-  eager = table_lib._jit_upsert._cache_size()
+  eager = row_protocol.upsert._cache_size()
   _create(jr.LRU(), 4).insert(POOL[:5], np.arange(5, dtype=np.int32))
   _create(jr.LRU(), 4).insert(POOL[:5], np.arange(5, dtype=np.int32))
-  assert table_lib._jit_upsert._cache_size() - eager <= 1
+  assert row_protocol.upsert._cache_size() - eager <= 1
   # vmap over three stacked tables, each with its own batch: the same as one at a time.
   tables = [_create(jr.LFU(), 4) for _ in range(3)]
   keys = np.stack([POOL[i : i + 6] for i in range(3)])

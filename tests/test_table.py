@@ -23,7 +23,7 @@ from oracle import (
 )
 
 import jaxres as jr
-from jaxres._core import table as table_lib
+from jaxres._core import row_protocol
 
 BATCH = 8
 
@@ -258,13 +258,13 @@ def test_valid_masks_skip_rows_like_padding(storage, kind):
 @pytest.mark.parametrize("storage", STORAGES)
 def test_eager_batches_share_one_compiled_shape(storage):
   table = storage.create(64, key=jnp.uint32, value=jnp.int32, default=-1)
-  compiled = table_lib._jit_upsert._cache_size()
+  compiled = row_protocol.upsert._cache_size()
   model = {}
   for n in (3, 5, 7, 8):  # all padded to 8 rows
     keys = np.arange(10 * n, 11 * n, dtype=np.uint32)
     table = table.insert(keys, keys.astype(np.int32))
     model.update(zip(keys.tolist(), keys.tolist()))
-  assert table_lib._jit_upsert._cache_size() - compiled <= 1
+  assert row_protocol.upsert._cache_size() - compiled <= 1
   keys = np.array(sorted(model), np.uint32)
   assert table.find(keys).tolist() == [model[k] for k in keys.tolist()]
   assert int(table.size) == len(model)

@@ -7,7 +7,7 @@ import pytest
 from oracle import STORAGES
 
 import jaxres as jr
-from jaxres._core import table as table_lib
+from jaxres._core import row_protocol
 
 OPS = {
   "insert": lambda t, k, v: t.insert(k, v),
@@ -101,11 +101,11 @@ def test_resize_under_jit_with_static_capacity():
 @pytest.mark.parametrize("storage", STORAGES)
 def test_eager_calls_compile_once_per_shape(storage):
   compiled = [
-    table_lib._jit_lookup,
-    table_lib._jit_upsert,
-    table_lib._jit_remove,
-    table_lib._jit_apply,
-    table_lib._jit_contains,
+    row_protocol.lookup,
+    row_protocol.upsert,
+    row_protocol.remove,
+    row_protocol.apply,
+    row_protocol.contains,
   ]
   t = _table(storage)
 

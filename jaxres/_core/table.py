@@ -1,19 +1,16 @@
-"""The ``Table`` protocol: argument checking on the host, one jitted function per operation.
+"""``Table``: the public API every jaxres hash table shares, its arguments checked on the host.
 
 Public methods check and encode their arguments on the host (:mod:`call_args`),
-then call one of the jitted functions below, so eager calls are compiled once
-per shape and calls inside a user's ``jit`` simply inline. Those functions work
-on flat batches of uint32 key rows through a table's row operations
-(``_lookup_rows``, ``_upsert_rows``, ``_apply_rows``, ``_remove_rows``, ...),
-which each kind of table implements: the storages (:mod:`storage`) in their
-arrays, a sharded table by routing each row to the storage that owns its key.
-Calls that change a table advance its ``clock`` once (``_tick``).
+then call the operation's one jitted function of :mod:`row_protocol`, which
+runs the table's row operations on flat batches of encoded rows. A table's
+entries go in and out through :meth:`Table.live_entries`, :meth:`Table.placed`,
+:meth:`Table.import_words` and :meth:`Table.with_counters` (a checkpoint uses
+those: see :mod:`jaxres._persistence`).
 """
 
 from __future__ import annotations
 
 import abc
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -21,12 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxres._core import call_args, display
+from jaxres._core import call_args, display, row_protocol
 from jaxres._core.encoding import key_specs
 from jaxres._core.encoding.value_specs import ValueSpec
 from jaxres._core.kernels.row_ops import select_rows
 from jaxres._core.modes import Upsert
 from jaxres._core.policies import Evicted, Policy
+from jaxres._core.row_protocol import RowProtocol
 from jaxres._errors import check_int
 
 _MAX_CAPACITY = 2**30
@@ -35,111 +33,6 @@ _MAX_CAPACITY = 2**30
 def check_capacity(capacity, name: str = "capacity") -> int:
   """A static capacity: an int in ``[1, 2**30]`` (``TypeError``/``ValueError`` naming ``name``)."""
   return check_int(capacity, name, low=1, high=_MAX_CAPACITY)
-
-
-class _Mutation:
-  """A jitted operation that returns a new table, compiled twice: as is, and donating the table.
-
-  Donated, XLA writes the result into the table's own buffers: an eager call
-  then costs O(batch) instead of a copy of every array. The stateful tables
-  donate the state they own; ``donate=True`` lets any caller do the same.
-  """
-
-  def __init__(self, fn, static_argnames=()):
-    functools.update_wrapper(self, fn)
-    self._plain = jax.jit(fn, static_argnames=static_argnames)
-    self._donating = jax.jit(fn, static_argnames=static_argnames, donate_argnums=0)
-
-  def __call__(self, table, *args, donate: bool = False, **kwargs):
-    return (self._donating if donate else self._plain)(table, *args, **kwargs)
-
-  def _cache_size(self) -> int:
-    """Programs compiled so far, both forms together (as ``jax.jit``'s own ``_cache_size``)."""
-    return self._plain._cache_size() + self._donating._cache_size()
-
-
-def _mutation(static_argnames=()):
-  return lambda fn: _Mutation(fn, static_argnames)
-
-
-@jax.jit
-def _jit_lookup(table: Table, words, defaults):
-  return table._lookup_rows(words, defaults)
-
-
-@jax.jit
-def _jit_contains(table: Table, words):
-  return table._lookup_rows(words, [])[1]
-
-
-@jax.jit
-def _jit_scores(table: Table, words):
-  return table._score_rows(words)
-
-
-@jax.jit
-def _jit_compact(table: Table):
-  return table._compact()
-
-
-@_mutation()
-def _jit_remove(table: Table, words, active):
-  return table._tick()._remove_rows(words, active)
-
-
-@_mutation(static_argnames=("mode", "tick", "report"))
-def _jit_upsert(
-  table: Table, words, leaves, active, given_scores, *, mode: Upsert, tick: bool = True, report: bool = False
-):
-  """insert or find_or_insert (``mode``): ``(table, out, evicted)``.
-
-  ``report``: return the evicted entries (else ``None``, and they are not computed).
-  """
-  table, out, evicted = (table._tick() if tick else table)._upsert_rows(
-    words, leaves, active, mode, given_scores
-  )
-  return table, out, evicted if report else None
-
-
-@_mutation()
-def _jit_assign(table: Table, words, leaves, active):
-  return table._assign_rows(words, leaves, active)
-
-
-@_mutation(static_argnames=("fn",))
-def _jit_apply(table: Table, words, leaves, active, given_scores, *, fn):
-  return table._tick()._apply_rows(words, leaves, active, fn, given_scores)
-
-
-@functools.partial(jax.jit, static_argnames=("fn",))
-def _jit_erase(table: Table, *, fn):
-  return table._tick()._erase_rows(fn)
-
-
-@jax.jit
-def _jit_find_rows(table: Table, words):
-  return table._find_rows(words)
-
-
-@_mutation(static_argnames=("report",))
-def _jit_claim(table: Table, words, active, given_scores, *, report: bool):
-  table, index, found, inserted, evicted = table._tick()._claim_rows(words, active, given_scores)
-  return table, index, found, inserted, evicted if report else None
-
-
-@jax.jit
-def _jit_read_rows(table: Table, index, defaults):
-  return table._read_rows(index, defaults)
-
-
-@_mutation()
-def _jit_write_rows(table: Table, index, leaves, active):
-  return table._write_rows(index, leaves, active)
-
-
-@functools.partial(jax.jit, static_argnames=("size",))
-def _jit_slots(table: Table, offset, *, size: int):
-  return table._slot_rows(offset, size)
 
 
 class LiveEntries(NamedTuple):
@@ -170,7 +63,7 @@ class RowHandles(NamedTuple):
   evicted: Evicted
 
 
-class Table(abc.ABC):
+class Table(RowProtocol):
   """Common protocol of jaxres hash tables: immutable pytrees, pure methods.
 
   Both storages (:class:`OpenAddressingTable`, :class:`SortedTable`) provide
@@ -266,14 +159,14 @@ class Table(abc.ABC):
     rows = call_args.prepare(self, keys)
     if not rows.n:
       return jnp.zeros(rows.batch, bool)
-    return call_args.unpadded(_jit_contains(self, rows.words), rows.batch)
+    return call_args.unpadded(row_protocol.contains(self, rows.words), rows.batch)
 
   def scores(self, keys) -> jax.Array:
     """``uint32[*batch]``: the score of each key (0 where missing, and in a table without eviction)."""
     rows = call_args.prepare(self, keys)
     if not rows.n:
       return jnp.zeros(rows.batch, jnp.uint32)
-    return call_args.unpadded(_jit_scores(self, rows.words), rows.batch)
+    return call_args.unpadded(row_protocol.scores(self, rows.words), rows.batch)
 
   def _lookup(self, keys, default):
     rows = call_args.prepare(self, keys)
@@ -284,7 +177,7 @@ class Table(abc.ABC):
       empty = [jnp.broadcast_to(x, (0, *shape)) for x, shape in zip(flat, shapes, strict=True)]
       return call_args.output(self, empty, batch), jnp.zeros(batch, bool)
     flat = [call_args.pad_rows(x, rows, len(shape)) for x, shape in zip(flat, shapes, strict=True)]
-    leaves, found = _jit_lookup(self, rows.words, flat)
+    leaves, found = row_protocol.lookup(self, rows.words, flat)
     return call_args.output(self, leaves, batch), call_args.unpadded(found, batch)
 
   # ----------------------------------------------------------- mutations
@@ -382,7 +275,7 @@ class Table(abc.ABC):
     rows = call_args.prepare(self, keys, values, valid, scores)
     if not rows.n:
       return self, call_args.output(self, [x[:0] for x in rows.leaves], rows.batch), None, rows
-    table, out, evicted = _jit_upsert(
+    table, out, evicted = row_protocol.upsert(
       self, rows.words, rows.leaves, rows.active, rows.given_scores, mode=mode, report=report, donate=donate
     )
     if not mode.keeps_present:
@@ -402,7 +295,7 @@ class Table(abc.ABC):
     rows = call_args.prepare(self, keys)
     if not rows.n:
       return jnp.zeros(rows.batch, jnp.int32)
-    return call_args.unpadded(_jit_find_rows(self, rows.words), rows.batch)
+    return call_args.unpadded(row_protocol.find_rows(self, rows.words), rows.batch)
 
   def find_or_insert_rows(
     self, keys, valid=None, scores=None, *, donate: bool = False
@@ -443,7 +336,7 @@ class Table(abc.ABC):
       empty = call_args.evicted(self, None, rows)
       nothing = jnp.zeros(batch, bool)
       return self, RowHandles(jnp.zeros(batch, jnp.int32), nothing, nothing, empty)
-    table, index, found, inserted, evicted = _jit_claim(
+    table, index, found, inserted, evicted = row_protocol.claim(
       self, rows.words, rows.active, rows.given_scores, report=True, donate=donate
     )
     handles = RowHandles(
@@ -464,7 +357,7 @@ class Table(abc.ABC):
     if not n:
       return call_args.output(self, flat, batch)
     rows = call_args.Rows(index[:, None], [], None, None, n, batch)
-    leaves = _jit_read_rows(self, index, [call_args.pad_to(x, rows) for x in flat])
+    leaves = row_protocol.read_rows(self, index, [call_args.pad_to(x, rows) for x in flat])
     return call_args.output(self, leaves, batch)
 
   def write_rows(self, index, values, valid=None, *, donate: bool = False) -> Table:
@@ -486,7 +379,9 @@ class Table(abc.ABC):
       return self
     rows = call_args.Rows(index[:, None], [], None, None, n, batch)
     active = index >= 0 if active is None else call_args.pad_to(active, rows) & (index >= 0)
-    return _jit_write_rows(self, index, [call_args.pad_to(x, rows) for x in leaves], active, donate=donate)
+    return row_protocol.write_rows(
+      self, index, [call_args.pad_to(x, rows) for x in leaves], active, donate=donate
+    )
 
   def insert_or_apply(
     self, keys, values, fn: Callable, valid=None, scores=None, *, donate: bool = False
@@ -520,7 +415,9 @@ class Table(abc.ABC):
     if not rows.n:
       return self
     self._check_fn(fn)
-    return _jit_apply(self, rows.words, rows.leaves, rows.active, rows.given_scores, fn=fn, donate=donate)
+    return row_protocol.apply(
+      self, rows.words, rows.leaves, rows.active, rows.given_scores, fn=fn, donate=donate
+    )
 
   def _check_fn(self, fn):
     entry = [jax.ShapeDtypeStruct(s.storage_shape, s.storage_dtype) for s in self.value_spec.leaves]
@@ -556,7 +453,7 @@ class Table(abc.ABC):
     rows = call_args.prepare(self, keys, values, valid)
     if not rows.n:
       return self
-    return _jit_assign(self, rows.words, rows.leaves, rows.active, donate=donate)
+    return row_protocol.assign(self, rows.words, rows.leaves, rows.active, donate=donate)
 
   def remove(self, keys, valid=None, *, donate: bool = False) -> Table:
     """Removes keys; absent keys are ignored.
@@ -569,7 +466,7 @@ class Table(abc.ABC):
     rows = call_args.prepare(self, keys, valid=valid)
     if not rows.n:
       return self
-    return _jit_remove(self, rows.words, rows.active, donate=donate)
+    return row_protocol.remove(self, rows.words, rows.active, donate=donate)
 
   def erase_if(self, fn: Callable) -> Table:
     """Removes every entry for which ``fn(keys, values, scores)`` is True: expiry, O(capacity).
@@ -592,7 +489,7 @@ class Table(abc.ABC):
     """
     if not callable(fn):
       raise TypeError(f"fn: expected a callable fn(keys, values, scores), got {fn!r}.")
-    return _jit_erase(self, fn=fn)
+    return row_protocol.erase(self, fn=fn)
 
   # ------------------------------------------------------ whole contents
 
@@ -604,7 +501,7 @@ class Table(abc.ABC):
     back as NumPy arrays when x64 is off and the call is eager, and as word
     pairs under ``jit``.
     """
-    words, leaves, _, valid = _jit_compact(self)
+    words, leaves, _, valid = row_protocol.compact(self)
     words = jnp.where(valid[:, None], words, self.key_spec.encode_zero())
     return self.key_spec.decode(words), self.value_spec.from_storage(leaves), valid
 
@@ -626,7 +523,7 @@ class Table(abc.ABC):
     size = check_int(size, "size", low=1)
     if not key_specs.is_traced(offset):
       offset = check_int(offset, "offset")
-    words, leaves, scores, valid = _jit_slots(self, jnp.asarray(offset, jnp.int32), size=size)
+    words, leaves, scores, valid = row_protocol.slots(self, jnp.asarray(offset, jnp.int32), size=size)
     words = jnp.where(valid[:, None], words, self.key_spec.encode_zero())
     return self.key_spec.decode(words), self.value_spec.from_storage(leaves), scores, valid
 
@@ -660,10 +557,10 @@ class Table(abc.ABC):
     capacity = check_capacity(capacity)
     if not key_specs.is_traced(self.size) and int(self.size) > capacity:
       raise ValueError(f"capacity: {capacity} is below the table's size {int(self.size)}.")
-    words, leaves, scores, valid = _jit_compact(self)
+    words, leaves, scores, valid = row_protocol.compact(self)
     target = self._with_capacity(capacity)._carry(self)
     given_scores = scores if self.eviction is not None else None
-    return _jit_upsert(target, words, leaves, valid, given_scores, mode=Upsert.INSERT, tick=False)[0]
+    return row_protocol.upsert(target, words, leaves, valid, given_scores, mode=Upsert.INSERT, tick=False)[0]
 
   # ------------------------------------------------ entries in and out
 
@@ -680,7 +577,7 @@ class Table(abc.ABC):
       >>> t.live_entries().keys
       array([1, 3], dtype=int32)
     """
-    words, leaves, scores, valid = jax.device_get(_jit_compact(self))
+    words, leaves, scores, valid = jax.device_get(row_protocol.compact(self))
     live = np.asarray(valid)
     keys = self.key_spec.decode(jnp.asarray(np.asarray(words)[live]))
     values = self.value_spec.from_storage([jnp.asarray(np.asarray(x)[live]) for x in leaves])
@@ -717,7 +614,11 @@ class Table(abc.ABC):
     ``key_spec.encode`` gives them), the stored value ``leaves``, ``valid`` and
     ``scores`` (``uint32[n]`` or ``None``); jax arrays, placed as they are (a
     sharded table's rows may be spread over several processes)."""
-    return _jit_upsert(self._cleared(), words, leaves, valid, scores, mode=Upsert.INSERT)[0]
+    return row_protocol.upsert(self._cleared(), words, leaves, valid, scores, mode=Upsert.INSERT)[0]
+
+  @abc.abstractmethod
+  def with_counters(self, clock, evictions) -> Table:
+    """This table with the given ``clock`` and ``evictions`` counts (as a restored table resumes them)."""
 
   def _live_slots(self) -> np.ndarray | None:
     """The slots of the live entries (in :meth:`live_entries` order), where :attr:`slot_layout` is kept."""
@@ -746,91 +647,3 @@ class Table(abc.ABC):
     return display.html_table(
       type(self).__name__, facts, display.first_entries(keys, values, min(10, size)), size
     )
-
-  # ------------------------------------------------------ row operations
-  # Flat batches of uint32 key rows, called inside the jitted functions above.
-
-  def _cleared(self) -> Table:
-    """An empty table like this one, same capacity; the clock and eviction count go on."""
-    return self._with_capacity(self.capacity)._carry(self)
-
-  @abc.abstractmethod
-  def _with_capacity(self, capacity: int) -> Table:
-    """An empty table with this one's specs, default and policy and a new capacity."""
-
-  @abc.abstractmethod
-  def _carry(self, other: Table) -> Table:
-    """This table with ``other``'s clock and eviction count (an empty table taking over)."""
-
-  @abc.abstractmethod
-  def with_counters(self, clock, evictions) -> Table:
-    """This table with the given ``clock`` and ``evictions`` counts (as a restored table resumes them)."""
-
-  @abc.abstractmethod
-  def _tick(self) -> Table:
-    """This table with its clock advanced by one call."""
-
-  @abc.abstractmethod
-  def _lookup_rows(self, words, defaults) -> tuple[list, jax.Array]:
-    """``(leaves, found)``: stored values of present keys, ``defaults`` (leaves) elsewhere."""
-
-  @abc.abstractmethod
-  def _score_rows(self, words) -> jax.Array:
-    """``uint32[N]``: the scores of present keys, 0 elsewhere."""
-
-  @abc.abstractmethod
-  def _upsert_rows(
-    self, words, leaves, active, mode: Upsert, given_scores=None, weights=None
-  ) -> tuple[Table, list, tuple | None]:
-    """insert or find_or_insert (``mode``) on flat rows.
-
-    Returns ``(table, out, evicted)``: ``out`` the found-or-inserted values
-    (``Upsert.FIND_OR_INSERT``), ``evicted`` the rows' ``(words, leaves, scores, valid)``
-    (``None`` without an eviction policy). ``given_scores``: scores for the keys
-    (``CustomScore``, or entries moved with their scores). ``weights``:
-    ``int32[N]``, how many occurrences each row stands for (a counting policy
-    adds them up; ``None``: one each).
-    """
-
-  @abc.abstractmethod
-  def _find_rows(self, words) -> jax.Array:
-    """``int32[N]``: the value row of each present key, ``-1`` elsewhere."""
-
-  @abc.abstractmethod
-  def _claim_rows(self, words, active, given_scores=None, weights=None) -> tuple:
-    """find_or_insert_rows on flat rows: ``(table, index, found, inserted, evicted)``.
-
-    ``evicted`` as for :meth:`_upsert_rows` (a refused key's values: the default).
-    """
-
-  @abc.abstractmethod
-  def _read_rows(self, index, defaults) -> list:
-    """The value leaves of rows ``index``, ``defaults`` where ``index < 0``."""
-
-  @abc.abstractmethod
-  def _write_rows(self, index, leaves, active) -> Table:
-    """Writes rows ``index`` where ``active`` and ``index >= 0``; of equal rows the last wins."""
-
-  @abc.abstractmethod
-  def _assign_rows(self, words, leaves, active) -> Table:
-    """assign on flat rows: present keys take their last active row's values."""
-
-  @abc.abstractmethod
-  def _apply_rows(self, words, leaves, active, fn, given_scores=None, weights=None) -> Table:
-    """insert_or_apply on flat rows (``given`` and ``weights`` as for :meth:`_upsert_rows`)."""
-
-  @abc.abstractmethod
-  def _remove_rows(self, words, active) -> Table:
-    """remove on flat rows."""
-
-  @abc.abstractmethod
-  def _erase_rows(self, fn) -> Table:
-    """erase_if over every slot."""
-
-  @abc.abstractmethod
-  def _slot_rows(self, offset, size: int) -> tuple:
-    """``(words, leaves, scores, valid)`` of ``size`` slots from ``offset``."""
-
-  @abc.abstractmethod
-  def _compact(self) -> tuple[jax.Array, list, jax.Array, jax.Array]:
-    """``(words[capacity, W], leaves, scores, valid)`` with the live entries first."""

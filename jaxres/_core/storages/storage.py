@@ -1,8 +1,8 @@
 """``Storage``: a table held in one set of arrays, its row operations written once.
 
 The open-addressing and sorted storages differ in how they find, store and
-delete keys; :class:`Storage` builds the row operations of the :class:`Table`
-protocol that they share on top of four primitives:
+delete keys; :class:`Storage` builds the row operations of the row protocol
+(:mod:`jaxres._core.row_protocol`) that they share on top of four primitives:
 
 * ``_locate(words)``: ``(found, slot)`` of live entries;
 * ``_release(words, slot, mask)``: delete entries;
