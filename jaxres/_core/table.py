@@ -573,8 +573,8 @@ class Table(RowProtocol):
 
     Example:
       >>> import numpy as np, jaxres as jr
-      >>> t = jr.SortedTable.empty(8, np.int32, np.float32).insert(np.array([3, 1]), np.ones(2, np.float32))
-      >>> t.live_entries().keys
+      >>> t = jr.SortedTable.create(8, key=np.int32, value=np.float32, default=0.0)
+      >>> t.insert(np.array([3, 1], np.int32), np.ones(2, np.float32)).live_entries().keys
       array([1, 3], dtype=int32)
     """
     words, leaves, scores, valid = jax.device_get(row_protocol.compact(self))

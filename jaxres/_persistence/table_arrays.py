@@ -9,11 +9,11 @@ its own devices' shards (the functions below are registered for it).
 Example:
   >>> import numpy as np, jaxres as jr
   >>> from jaxres._persistence import table_arrays
-  >>> t = jr.SortedTable.empty(8, np.int32, np.float32).insert(np.array([3, 1]), np.ones(2, np.float32))
-  >>> arrays = table_arrays.to_arrays(t)
+  >>> empty = jr.SortedTable.create(8, key=np.int32, value=np.float32, default=0.0)
+  >>> arrays = table_arrays.to_arrays(empty.insert(np.array([3, 1], np.int32), np.ones(2, np.float32)))
   >>> sorted(arrays)
   ['keys', 'values']
-  >>> table_arrays.from_arrays(jr.SortedTable.empty(4, np.int32, np.float32), arrays).live_entries().keys
+  >>> table_arrays.from_arrays(empty, arrays).live_entries().keys
   array([1, 3], dtype=int32)
 """
 
