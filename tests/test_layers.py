@@ -111,6 +111,33 @@ def test_no_import_cycles_between_modules():
   graphlib.TopologicalSorter(local).prepare()  # raises CycleError
 
 
+# What only the persistence side (and above) may know: other processes, checkpoints.
+_PROCESS_AND_CHECKPOINT_APIS = (
+  "multihost_utils",
+  "process_count",
+  "process_index",
+  "process_local_data",
+  "orbax",
+)
+
+
+def test_the_core_knows_nothing_of_checkpoints_or_processes():
+  core = [m for m in modules() if m.startswith("jaxres._core")]
+  assert not [
+    (module, target)
+    for module in core
+    for target in graph()[module]
+    if target.startswith("jaxres") and not target.startswith("jaxres._core") and target != "jaxres._errors"
+  ]
+  found = [
+    (module, name)
+    for module in core
+    for name in _PROCESS_AND_CHECKPOINT_APIS
+    if name in modules()[module].read_text()
+  ]
+  assert not found, found
+
+
 def test_the_examples_and_the_demo_use_the_public_api_only():
   private = [
     f"{module} -> {target}"
