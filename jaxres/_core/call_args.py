@@ -11,6 +11,8 @@ shapes are kept.
 from __future__ import annotations
 
 import math
+import weakref
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -165,6 +167,43 @@ def row_index(index) -> tuple[jax.Array, tuple[int, ...], int]:
     return index, batch, n
   size = max(_MIN_EAGER_ROWS, 1 << (n - 1).bit_length())
   return jnp.pad(index, (0, size - n), constant_values=-1), batch, n
+
+
+class _Callable:
+  """A function JAX can hold weakly and compare, standing for one that Python cannot weakly reference
+  (a builtin such as ``operator.add``): equal for the same function, so calls share a compile."""
+
+  def __init__(self, fn: Callable):
+    self.fn = fn
+
+  def __call__(self, *args):
+    return self.fn(*args)
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, _Callable) and other.fn == self.fn
+
+  def __hash__(self) -> int:
+    return hash(self.fn)
+
+
+def static_fn(fn, signature: str) -> Callable:
+  """``fn``, a static argument of a jitted call (held weakly by JAX's caches).
+
+  Raises:
+    TypeError: ``fn`` is not callable.
+  """
+  if not callable(fn):
+    raise TypeError(f"fn: expected a callable {signature}, got {fn!r}.")
+  if isinstance(fn, np.ufunc):
+    raise TypeError(
+      f"fn: np.{fn.__name__} is a NumPy ufunc, which cannot run on the traced arrays a table's jitted "
+      f"update gives it; pass jnp.{fn.__name__} (or a function of jax.numpy operations)."
+    )
+  try:
+    weakref.ref(fn)
+  except TypeError:
+    return _Callable(fn)
+  return fn
 
 
 def check_valid(valid, batch) -> jax.Array | None:

@@ -409,8 +409,7 @@ class Table(RowProtocol):
       >>> t.find(jnp.array([1, 2])).tolist()
       [3.0, 5.0]
     """
-    if not callable(fn):
-      raise TypeError(f"fn: expected a callable fn(old, new), got {fn!r}.")
+    fn = call_args.static_fn(fn, "fn(old, new)")
     rows = call_args.prepare(self, keys, values, valid, scores)
     if not rows.n:
       return self
@@ -450,7 +449,7 @@ class Table(RowProtocol):
       >>> t.find(jnp.array([1, 2])).tolist(), int(t.size)
       ([5.0, 0.0], 1)
     """
-    rows = call_args.prepare(self, keys, values, valid)
+    rows = call_args.prepare(self, keys, values, valid, inserts=False)  # no scores: assign inserts nothing
     if not rows.n:
       return self
     return row_protocol.assign(self, rows.words, rows.leaves, rows.active, donate=donate)
@@ -487,9 +486,7 @@ class Table(RowProtocol):
       >>> t.contains(jnp.array([0, 1, 2])).tolist()
       [False, True, True]
     """
-    if not callable(fn):
-      raise TypeError(f"fn: expected a callable fn(keys, values, scores), got {fn!r}.")
-    return row_protocol.erase(self, fn=fn)
+    return row_protocol.erase(self, fn=call_args.static_fn(fn, "fn(keys, values, scores)"))
 
   # ------------------------------------------------------ whole contents
 

@@ -192,7 +192,7 @@ class LookupTable(Resource):
       return self._current().contains(self._key_codec.encode(keys))
 
   def export(self):
-    """``(keys, values)``: the live entries, sorted by key, with exact dtypes (eager only)."""
+    """``(keys, values)``: the live entries, sorted by key, as NumPy arrays of exact dtypes (eager only)."""
     with self._life().lock:
       table = self._current()
       if key_specs.is_traced(table.size):
@@ -200,7 +200,7 @@ class LookupTable(Resource):
       return self._sorted_entries(table)
 
   def _sorted_entries(self, table):
-    keys, values, valid = table.export()
+    keys, values, valid = jax.device_get(table.export())  # host NumPy throughout
     live = np.asarray(valid)
     keys = self._key_codec.decode(np.asarray(keys)[live])
     order = self._key_codec.order(keys)

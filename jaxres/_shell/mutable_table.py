@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
 
 from jaxres._core.encoding import key_specs
-from jaxres._core.table import check_capacity
+from jaxres._core.policies import Evicted
+from jaxres._core.table import Table, check_capacity
 from jaxres._shell.lookup_table import LookupTable
 
 
@@ -53,7 +59,7 @@ class MutableHashTable(LookupTable):
     >>> names = jr.MutableHashTable(str, np.int32, default_value=-1)
     >>> names.insert(["ada", "grace"], np.array([1815, 1906], np.int32))
     >>> names.export()
-    (array(['ada', 'grace'], dtype=object), Array([1815, 1906], dtype=int32))
+    (array(['ada', 'grace'], dtype=object), array([1815, 1906], dtype=int32))
   """
 
   def __init__(
@@ -106,26 +112,56 @@ class MutableHashTable(LookupTable):
         table = table.resize(max(2 * table.capacity, bound + rows))
     return table, bound + rows
 
-  def insert(self, keys, values) -> None:
+  def _write(self, method, keys, values=None, **kwargs):
+    """Runs the functional ``method`` on the state (grown first when the keys might not fit),
+    donating it, and makes its table the state; returns the rest of its result."""
+    with self._life().lock:
+      table = self._current()
+      keys = self._key_codec.encode(keys)
+      args = (keys,) if values is None else (keys, self._value_codec.encode(values))
+      table, bound = self._with_room(table, keys)
+      result = method(table, *args, **kwargs, donate=True)
+      table, rest = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
+      self._updated(table, bound)
+      return rest
+
+  def insert(self, keys, values, valid=None, scores=None) -> None:
     """Inserts or assigns ``values`` for ``keys`` (the last duplicate wins).
+
+    Args:
+      keys: keys of the table's key dtype, ``[*batch, *key_shape]`` (or strings).
+      values: values ``[*batch, *value_shape]`` (a pytree for pytree values).
+      valid: optional ``bool[*batch]``; rows marked ``False`` are skipped.
+      scores: ``uint32[*batch]``, for a table with ``eviction=jr.CustomScore()``.
 
     Raises:
       TypeError, ValueError: bad keys or values (the table is unchanged).
     """
-    with self._life().lock:
-      table = self._current()
-      keys, values = self._key_codec.encode(keys), self._value_codec.encode(values)
-      table, bound = self._with_room(table, keys)
-      self._updated(table.insert(keys, values, donate=True), bound)
+    self._write(Table.insert, keys, values, valid=valid, scores=scores)
 
-  def find_or_insert(self, keys, values):
+  def insert_and_evict(self, keys, values, valid=None, scores=None) -> Evicted:
+    """:meth:`insert`, returning what left: the entry each key row's new key replaced (a bounded
+    table evicts by its policy; a growing one never does), as host NumPy arrays.
+
+    Example:
+      >>> import numpy as np, jaxres as jr
+      >>> t = jr.MutableHashTable(np.int64, np.float32, 0.0, initial_capacity=1, eviction=jr.LRU())
+      >>> t.insert(np.array([1]), np.array([1.0], np.float32))
+      >>> evicted = t.insert_and_evict(np.array([2]), np.array([2.0], np.float32))
+      >>> evicted.keys.tolist(), evicted.valid.tolist()
+      ([1], [True])
+    """
+    (evicted,) = self._write(Table.insert_and_evict, keys, values, valid=valid, scores=scores)
+    return self._decoded(evicted)
+
+  def find_or_insert(self, keys, values, valid=None, scores=None):
     """Values of ``keys``; keys not yet present are inserted with ``values`` first.
 
     The first occurrence of a new key inserts it and later duplicates see that
     value (``jr.Table.find_or_insert``): the way to assign embedding rows to
     ids as they arrive. Eager calls grow the table; inside ``jit`` a new key
     that does not fit gets the default and is counted as lost (see the class
-    doc).
+    doc). ``valid`` and ``scores`` as for :meth:`insert`.
 
     Example:
       >>> import numpy as np, jaxres as jr
@@ -133,20 +169,55 @@ class MutableHashTable(LookupTable):
       >>> rows.find_or_insert(np.array([7, 9, 7]), np.array([0, 1, 2], np.int32)).tolist()
       [0, 1, 0]
     """
-    with self._life().lock:
-      table = self._current()
-      keys, values = self._key_codec.encode(keys), self._value_codec.encode(values)
-      table, bound = self._with_room(table, keys)
-      table, found = table.find_or_insert(keys, values, donate=True)
-      self._updated(table, bound)
-      return self._value_codec.decode(found)
+    (found,) = self._write(Table.find_or_insert, keys, values, valid=valid, scores=scores)
+    return self._value_codec.decode(found)
 
-  def remove(self, keys) -> None:
-    """Removes ``keys``; absent keys are ignored."""
+  def find_or_insert_and_evict(self, keys, values, valid=None, scores=None) -> tuple[Any, Evicted]:
+    """:meth:`find_or_insert`, also returning what left (as :meth:`insert_and_evict`)."""
+    found, evicted = self._write(Table.find_or_insert_and_evict, keys, values, valid=valid, scores=scores)
+    return self._value_codec.decode(found), self._decoded(evicted)
+
+  def insert_or_apply(self, keys, values, fn: Callable, valid=None, scores=None) -> None:
+    """New keys get ``values``; present ones become ``fn(old, new)`` (duplicates fold in order).
+
+    ``fn`` as for :meth:`jaxres.Table.insert_or_apply` (``jnp.add``: counting);
+    ``valid`` and ``scores`` as for :meth:`insert`.
+
+    Example:
+      >>> import numpy as np, jax.numpy as jnp, jaxres as jr
+      >>> counts = jr.MutableHashTable(np.int64, np.int32, default_value=0)
+      >>> counts.insert_or_apply(np.array([5, 5, 6]), np.ones(3, np.int32), jnp.add)
+      >>> counts.find(np.array([5, 6])).tolist()
+      [2, 1]
+    """
+    if self._value_codec.is_string:
+      raise TypeError("fn: a table of str values cannot apply fn to them; use insert.")
+    self._write(Table.insert_or_apply, keys, values, fn=fn, valid=valid, scores=scores)
+
+  def assign(self, keys, values, valid=None) -> None:
+    """Replaces the values of keys present; absent keys are ignored (nothing is inserted or evicted,
+    scores stay). The last duplicate wins."""
     with self._life().lock:
       table = self._current()
       known = self._known(table)
-      self._updated(table.remove(self._key_codec.encode(keys), donate=True), known and known.size_bound)
+      keys, values = self._key_codec.encode(keys), self._value_codec.encode(values)
+      table = table.assign(keys, values, valid=valid, donate=True)
+      self._updated(table, known and known.size_bound)
+
+  def remove(self, keys, valid=None) -> None:
+    """Removes ``keys``; absent keys are ignored; rows where ``valid`` is ``False`` are skipped."""
+    with self._life().lock:
+      table = self._current()
+      known = self._known(table)
+      table = table.remove(self._key_codec.encode(keys), valid=valid, donate=True)
+      self._updated(table, known and known.size_bound)
+
+  def _decoded(self, evicted: Evicted) -> Evicted:
+    """The evicted entries on the host: keys and values as the table's users give them."""
+    keys, values, scores, valid = jax.device_get(tuple(evicted))
+    return Evicted(
+      self._key_codec.decode(np.asarray(keys)), self._value_codec.decode(values), np.asarray(scores), valid
+    )
 
   def import_(self, keys, values) -> None:
     """Replaces the contents with the given entries (growing as needed)."""

@@ -32,7 +32,8 @@ class Checkpoint(AutoTrackable):
 
   Children are given by keyword (``Checkpoint(model=root)``) and found by
   attribute; ``Checkpoint(root=obj)`` makes ``obj`` itself the root of the
-  graph (keyword children and later attributes are then set on it), as in
+  graph (keyword children and later attributes are then set on it; a keyword
+  naming an attribute the root already has is a ``ValueError``), as in
   TensorFlow. Objects are tables and other resources, ``jr.AutoTrackable`` s
   and other ``jr.Trackable`` s, NNX objects (``nnx.Module``, ``nnx.Optimizer``),
   arrays and pytrees of arrays, and lists, tuples and dicts of all these.
@@ -59,6 +60,12 @@ class Checkpoint(AutoTrackable):
   def __init__(self, root: Any = None, **children: Any):
     # As in TensorFlow: `root` is the object graph's root, and keyword
     # children are set on it; without one, the checkpoint is its own root.
+    # A keyword naming what the root already holds is refused, as TensorFlow does, before anything is set.
+    taken = sorted(name for name in children if root is not None and hasattr(root, name))
+    if taken:
+      raise ValueError(
+        f"{taken[0]}: root.{taken[0]} already exists; set it on the root itself, or use another keyword."
+      )
     object.__setattr__(self, "_root", self if root is None else root)
     for name, child in children.items():
       setattr(self._root, name, child)

@@ -24,6 +24,7 @@ from jaxres._persistence.processes import Blocks
 from jaxres._tracking import paths
 
 MANIFEST = "manifest.json"
+STEP_MANIFEST = os.path.join("manifest", "metadata")  # a CheckpointManager step's (Orbax's JSON item)
 FORMAT = "jaxres.checkpoint"
 VERSION = 2
 
@@ -42,13 +43,18 @@ def write(directory: str, manifest: dict) -> None:
 
 
 def read(directory: str) -> dict:
-  """The manifest of a checkpoint directory, checked (see :func:`check`)."""
+  """The manifest of a checkpoint directory, checked (see :func:`check`): a ``Checkpoint.save``
+  directory, or a ``CheckpointManager`` step (whose manifest is Orbax's JSON item)."""
   path = os.path.join(directory, MANIFEST)
+  if not os.path.exists(path) and os.path.isfile(os.path.join(directory, STEP_MANIFEST)):
+    path = os.path.join(directory, STEP_MANIFEST)
   try:
     with open(path, encoding="utf-8") as f:
       manifest = json.load(f)
   except (FileNotFoundError, NotADirectoryError):
-    raise ValueError(f"{directory}: not a jaxres checkpoint (no {MANIFEST}).") from None
+    raise ValueError(
+      f"{directory}: not a jaxres checkpoint (no {MANIFEST}, nor a CheckpointManager step's {STEP_MANIFEST})."
+    ) from None
   except json.JSONDecodeError as err:
     raise ValueError(f"{path}: corrupted manifest ({err}).") from None
   return check(manifest, path)

@@ -14,6 +14,10 @@ from jaxres._core.encoding import key_specs
 _NARROWED = {np.dtype(np.float64): np.dtype(np.float32), np.dtype(np.complex128): np.dtype(np.complex64)}
 
 
+# The leaf dtypes a Python number may stand for (as a weakly typed JAX scalar does).
+_PYTHON_NUMBER_KINDS = {bool: "b", int: "iufc", float: "fc", complex: "c"}
+
+
 def _is_spec_leaf(x) -> bool:
   return isinstance(x, jax.ShapeDtypeStruct) or _as_dtype(x) is not None
 
@@ -83,6 +87,8 @@ class LeafSpec:
       raise ValueError(f"{name}: shape {lead} does not broadcast to {target} ({self}).") from None
 
   def _narrow(self, x, name):
+    if type(x) in _PYTHON_NUMBER_KINDS:  # a Python number takes the leaf's dtype, if it fits
+      return self._python_number(x, name)
     arr = x if isinstance(x, jax.Array) else np.asarray(x)
     src = np.dtype(arr.dtype)
     ok = src == self.dtype or np.can_cast(src, self.dtype, "same_kind")
@@ -92,7 +98,28 @@ class LeafSpec:
       raise TypeError(
         f"{name}: expected values of dtype {self.dtype}, got {src}; cast explicitly if intended."
       )
+    if src.kind in "iu" and self.dtype.kind in "iu" and not np.can_cast(src, self.dtype, "safe"):
+      self._check_range(arr, name)
     return arr.astype(self.storage_dtype)
+
+  def _python_number(self, x, name):
+    if self.dtype.kind not in _PYTHON_NUMBER_KINDS[type(x)]:
+      raise TypeError(
+        f"{name}: expected values of dtype {self.dtype}, got the Python {type(x).__name__} {x!r}."
+      )
+    if isinstance(x, int) and self.dtype.kind in "iu":
+      self._check_range(np.asarray(x, object), name)
+    return np.asarray(x, self.dtype).astype(self.storage_dtype)
+
+  def _check_range(self, arr, name):
+    """Raises ``ValueError`` unless every integer of ``arr`` (host, or a concrete array) fits the dtype."""
+    if key_specs.is_traced(arr) or not np.size(arr):
+      return
+    info = np.iinfo(self.dtype)
+    low, high = (int(v) for v in jax.device_get((arr.min(), arr.max())))
+    if low < info.min or high > info.max:
+      bad = low if low < info.min else high
+      raise ValueError(f"{name}: {bad} does not fit {self.dtype} (its values run {info.min}..{info.max}).")
 
   def _wide_to_pairs(self, x, name):
     if isinstance(x, jax.Array):

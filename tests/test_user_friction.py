@@ -1,0 +1,178 @@
+"""What a new user met (issue 30), one test (or a few) per item: each failed before its fix.
+
+Item numbers are the issue's: 1 the stateful tables' vocabulary, 4 a
+CheckpointManager step opened as a checkpoint, 5 opaque errors, 8 small
+surprises (a checkpoint keyword replacing an attribute, ``assign`` on a
+``CustomScore`` table, defaults and values of narrow integer dtypes).
+"""
+
+import operator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxres as jr
+
+# ------------------------------------------------- 1. the stateful vocabulary
+
+
+def _table(**kwargs):
+  return jr.MutableHashTable(np.int64, np.float32, default_value=-1.0, **kwargs)
+
+
+def test_1_stateful_insert_or_apply_folds_like_a_dict():
+  table, want = _table(initial_capacity=2), {}
+  rng = np.random.default_rng(0)
+  for _ in range(5):
+    keys = rng.integers(-(2**40), 2**40, 6) // 2**36 * 2**36  # repeats within and across calls
+    values = rng.standard_normal(6).astype(np.float32)
+    table.insert_or_apply(keys, values, jnp.add)
+    for k, v in zip(keys.tolist(), values.tolist()):
+      want[k] = np.float32(want[k] + np.float32(v)) if k in want else np.float32(v)
+  keys, values = table.export()
+  assert isinstance(keys, np.ndarray) and isinstance(values, np.ndarray)  # NumPy throughout
+  assert dict(zip(keys.tolist(), values.tolist())) == pytest.approx(want)
+  table.insert_or_apply(np.array([1]), np.array([1.0], np.float32), operator.add)  # a builtin works too
+  assert table.find(np.array([1])).tolist() == [1.0]
+
+
+def test_1_stateful_assign_valid_and_remove():
+  table = _table()
+  table.insert(
+    np.array([1, 2, 3]), np.array([1.0, 2.0, 3.0], np.float32), valid=np.array([True, False, True])
+  )
+  assert table.export()[0].tolist() == [1, 3]
+  table.assign(np.array([1, 2]), np.array([10.0, 20.0], np.float32))  # 2 is absent: not inserted
+  assert dict(zip(*(x.tolist() for x in table.export()))) == {1: 10.0, 3: 3.0}
+  table.remove(np.array([1, 3]), valid=np.array([False, True]))
+  assert table.export()[0].tolist() == [1]
+  found = table.find_or_insert(
+    np.array([1, 5, 6]), np.array([0.0, 5.0, 6.0], np.float32), valid=np.array([True, True, False])
+  )
+  assert found.tolist() == [10.0, 5.0, -1.0] and table.export()[0].tolist() == [1, 5]
+
+
+def test_1_stateful_evicting_forms_say_what_left():
+  table = _table(initial_capacity=2, eviction=jr.LRU())
+  table.insert(np.array([1, 2]), np.array([1.0, 2.0], np.float32))
+  table.find(np.array([2]))  # a read is no use: 1 stays the least recently inserted
+  evicted = table.insert_and_evict(np.array([3]), np.array([3.0], np.float32))
+  assert isinstance(evicted.keys, np.ndarray) and evicted.keys.dtype == np.int64
+  assert (
+    evicted.valid.tolist() == [True] and evicted.keys.tolist() == [1] and evicted.values.tolist() == [1.0]
+  )
+  found, evicted = table.find_or_insert_and_evict(np.array([3, 4]), np.array([0.0, 4.0], np.float32))
+  assert found.tolist() == [3.0, 4.0] and evicted.valid.tolist() == [False, True] and evicted.keys[1] == 2
+  assert sorted(table.export()[0].tolist()) == [3, 4]
+  growing = _table(initial_capacity=1)  # a growing table never evicts
+  assert not growing.insert_and_evict(np.arange(5), np.zeros(5, np.float32)).valid.any()
+  assert len(growing) == 5
+
+
+def test_1_string_keys_come_back_as_strings_when_evicted():
+  table = jr.MutableHashTable(str, np.int32, -1, initial_capacity=1, eviction=jr.LRU())
+  table.insert(["ada"], np.array([1], np.int32))
+  evicted = table.insert_and_evict(["grace"], np.array([2], np.int32))
+  assert evicted.keys.tolist() == ["ada"] and evicted.values.tolist() == [1]
+
+
+def test_1_custom_score_tables_take_scores_statefully():
+  table = _table(initial_capacity=1, eviction=jr.CustomScore())
+  table.insert(np.array([1]), np.array([1.0], np.float32), scores=np.array([5], np.uint32))
+  evicted = table.insert_and_evict(
+    np.array([2]), np.array([2.0], np.float32), scores=np.array([1], np.uint32)
+  )
+  assert evicted.keys.tolist() == [2] and evicted.valid.tolist() == [True]  # refused: lower score
+  table.assign(np.array([1]), np.array([7.0], np.float32))  # assign takes no scores
+  assert table.find(np.array([1])).tolist() == [7.0]
+
+
+# ---------------------------------------- 4. a manager step is a checkpoint too
+
+
+def test_4_a_checkpoint_manager_step_opens_as_a_checkpoint(tmp_path):
+  root = jr.AutoTrackable()
+  root.table, root.step = _table(), jnp.array(7)
+  root.table.insert(np.array([2**40]), np.array([1.5], np.float32))
+  manager = jr.CheckpointManager(tmp_path, jr.Checkpoint(model=root))
+  manager.save(3)
+  manager.close()
+  entries = {e["path"]: e["kind"] for e in jr.inspect_checkpoint(tmp_path / "3")}
+  assert entries == {"": "trackable", "model": "trackable", "model/step": "array", "model/table": "table"}
+  fresh = jr.AutoTrackable()
+  fresh.table, fresh.step = _table(), jnp.array(0)
+  jr.Checkpoint(model=fresh).restore(tmp_path / "3").assert_consumed()
+  assert fresh.table.find(np.array([2**40])).tolist() == [1.5] and int(fresh.step) == 7
+
+
+# --------------------------------------------------------- 5. opaque errors
+
+
+def test_5_a_numpy_ufunc_as_fn_is_a_clear_error():
+  table = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.float32)
+  with pytest.raises(TypeError, match=r"np.add is a NumPy ufunc.*pass jnp.add"):
+    table.insert_or_apply(np.array([1], np.int32), np.ones(1, np.float32), np.add)
+  with pytest.raises(TypeError, match=r"jnp\.add"):
+    _table().insert_or_apply(np.array([1]), np.ones(1, np.float32), np.add)
+
+
+# ----------------------------------------------------- 8. small surprises
+
+
+def test_8_a_checkpoint_keyword_does_not_replace_what_the_root_holds():
+  root = jr.AutoTrackable()
+  root.v = jnp.array(1)
+  with pytest.raises(ValueError, match=r"root.v already exists"):
+    jr.Checkpoint(root, w=jnp.array(3), v=jnp.array(2))
+  assert int(root.v) == 1 and not hasattr(root, "w")  # nothing set
+  jr.Checkpoint(root, w=jnp.array(3))
+  assert int(root.w) == 3
+
+
+def test_8_assign_on_a_custom_score_table_needs_no_scores():
+  table = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.float32, eviction=jr.CustomScore())
+  table = table.insert(np.array([1], np.int32), np.ones(1, np.float32), scores=np.array([9], np.uint32))
+  table = table.assign(np.array([1, 2], np.int32), np.array([4.0, 5.0], np.float32))
+  assert table.find(np.array([1, 2], np.int32)).tolist() == [4.0, 0.0]
+  assert table.scores(np.array([1], np.int32)).tolist() == [9]
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.int8, np.int16])
+def test_8_narrow_integer_values_take_the_default_default(dtype):
+  table = jr.OpenAddressingTable.create(8, key=jnp.int32, value=dtype)
+  assert table.find(np.array([3], np.int32)).dtype == dtype
+  assert table.find(np.array([3], np.int32)).tolist() == [0]
+  stateful = jr.MutableHashTable(np.int64, dtype, default_value=7)
+  assert stateful.find(np.array([3])).tolist() == [7]
+
+
+@pytest.mark.parametrize("value, match", [(300, "300 does not fit int8"), (-129, "-129 does not fit int8")])
+def test_8_integers_out_of_the_value_range_are_refused_not_wrapped(value, match):
+  table = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.int8)
+  with pytest.raises(ValueError, match=match):
+    table.insert(np.array([1], np.int32), np.array([value], np.int64))
+  with pytest.raises(ValueError, match=match):
+    jr.MutableHashTable(np.int64, np.int8, default_value=value)
+  stateful = jr.MutableHashTable(np.int64, np.int8, default_value=0)
+  with pytest.raises(ValueError, match=match):
+    stateful.insert(np.array([1]), np.array([value]))
+  assert len(stateful) == 0
+  fits = table.insert(np.array([1], np.int32), np.array([127], np.int64))  # in range: cast
+  assert fits.find(np.array([1], np.int32)).tolist() == [127]
+
+
+def test_8_a_python_float_default_for_an_integer_table_is_a_type_error():
+  with pytest.raises(TypeError, match=r"default: expected values of dtype int32, got the Python float 1\.5"):
+    jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.int32, default=1.5)
+
+
+def test_8_traced_values_of_a_wider_integer_dtype_still_cast():
+  table = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.int8)
+
+  @jax.jit
+  def put(table, values):
+    return table.insert(jnp.array([1], jnp.int32), values)
+
+  assert put(table, jnp.array([5], jnp.int32)).find(np.array([1], np.int32)).tolist() == [5]
