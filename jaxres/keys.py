@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxres._core.encoding import key_specs, strings
 
-__all__ = ["decode_strings", "encode_strings", "hash", "join64", "split64"]
+__all__ = ["decode_strings", "encode_strings", "hash", "join64", "split64", "to_int32"]
 
 
 def split64(x):
@@ -71,8 +71,50 @@ def join64(pairs, dtype=np.int64):
   if key_specs.x64_enabled():
     return key_specs.join64_jax(jax.numpy.asarray(pairs), dtype)
   if key_specs.is_traced(pairs):
-    raise TypeError("pairs: cannot join traced word pairs with jax_enable_x64 off; keep them as pairs.")
+    raise TypeError(
+      "pairs: cannot join traced word pairs with jax_enable_x64 off (JAX has no 64-bit integers then); "
+      "keep them as pairs, or take ids below 2**31 (vocabulary ids, row numbers) as int32 with "
+      "jr.keys.to_int32."
+    )
   return key_specs.join64_host(np.asarray(pairs), dtype)
+
+
+def to_int32(ids):
+  """64-bit ids that lie in ``[0, 2**31)`` (vocabulary ids, row numbers) as ``int32``: what
+  ``nnx.Embed`` and array indexing take. Jittable.
+
+  Args:
+    ids: a NumPy ``int64``/``uint64`` array, a JAX 64-bit array (x64 on), or
+      ``uint32[..., 2]`` word pairs: what a vocabulary's ``find`` gives inside
+      ``jit`` with x64 off.
+
+  Returns:
+    ``int32`` ids of the same batch shape (a JAX array). Inside ``jit`` an id
+    outside ``[0, 2**31)`` becomes ``-1`` (nothing can raise there).
+
+  Raises:
+    ValueError: (eagerly) an id outside ``[0, 2**31)``.
+    TypeError: ``ids`` are none of the above.
+
+  Example:
+    >>> import numpy as np, jax, jaxres as jr
+    >>> jax.jit(jr.keys.to_int32)(jr.keys.split64(np.array([3, 2**31 - 1, 2**40]))).tolist()
+    [3, 2147483647, -1]
+  """
+  if getattr(ids, "dtype", None) == np.uint32 and np.shape(ids)[-1:] == (2,):
+    pairs = ids if isinstance(ids, jax.Array) else jax.numpy.asarray(ids)
+  elif isinstance(ids, jax.Array) and ids.dtype in (np.int64, np.uint64):
+    pairs = key_specs.split64_jax(ids)
+  elif isinstance(ids, (np.ndarray, np.generic)) and np.asarray(ids).dtype in (np.int64, np.uint64):
+    pairs = jax.numpy.asarray(key_specs.split64_host(np.asarray(ids)))
+  else:
+    got = f"{getattr(ids, 'dtype', type(ids).__name__)}{list(np.shape(ids))}"
+    raise TypeError(f"ids: expected int64 or uint64 ids, or uint32[..., 2] word pairs, got {got}.")
+  inside = (pairs[..., 0] == 0) & (pairs[..., 1] < jax.numpy.uint32(2**31))
+  if not key_specs.is_traced(pairs) and not bool(inside.all()):
+    bad = key_specs.join64_host(np.asarray(pairs), np.int64)[~np.asarray(inside)][0]
+    raise ValueError(f"ids: {bad} is outside [0, 2**31), which int32 ids cover.")
+  return jax.numpy.where(inside, pairs[..., 1].astype(jax.numpy.int32), -1)
 
 
 def hash(keys, key, *, seed: int = 0):

@@ -176,3 +176,76 @@ def test_8_traced_values_of_a_wider_integer_dtype_still_cast():
     return table.insert(jnp.array([1], jnp.int32), values)
 
   assert put(table, jnp.array([5], jnp.int32)).find(np.array([1], np.int32)).tolist() == [5]
+
+
+# ------------------------------------ 2. vocabulary ids inside jit, to an nnx.Embed
+
+
+def test_2_vocabulary_ids_inside_jit_feed_an_embedding_as_int32():
+  from flax import nnx
+
+  class Model(nnx.Module):
+    def __init__(self):
+      words = ["the", "quick", "fox"]
+      self.vocab = jr.StaticVocabularyTable(jr.KeyValueInitializer(words, np.arange(3)), num_oov_buckets=2)
+      self.embed = nnx.Embed(5, 4, rngs=nnx.Rngs(0))
+
+  model = Model()
+  rows = jr.keys.encode_strings(["fox", "zebra", "the"])
+  ids = nnx.jit(lambda m, rows: jr.keys.to_int32(m.vocab.find(rows)))(model, rows)
+  eager = model.vocab.find(["fox", "zebra", "the"])
+  assert ids.dtype == jnp.int32 and ids.tolist() == eager.tolist()
+  out = nnx.jit(lambda m, rows: m.embed(jr.keys.to_int32(m.vocab.find(rows))))(model, rows)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(model.embed.embedding[...])[eager])
+
+
+@pytest.mark.parametrize("ids", [np.array([0, 5, 2**31 - 1]), np.array([0, 5, 2**31 - 1], np.uint64)])
+def test_2_to_int32_matches_numpy_eagerly_and_inside_jit(ids):
+  want = ids.astype(np.int32).tolist()
+  assert jr.keys.to_int32(ids).tolist() == want
+  assert jax.jit(jr.keys.to_int32)(jr.keys.split64(ids)).tolist() == want
+  assert jax.jit(jr.keys.to_int32)(jr.keys.split64(np.array([-1, 2**31, 2**40]))).tolist() == [-1, -1, -1]
+  with pytest.raises(ValueError, match=r"ids: 2147483648 is outside \[0, 2\*\*31\)"):
+    jr.keys.to_int32(np.array([1, 2**31]))
+  with pytest.raises(ValueError, match="ids: -1 is outside"):
+    jr.keys.to_int32(np.array([-1]))
+  with pytest.raises(TypeError, match="ids: expected int64"):
+    jr.keys.to_int32(np.array([1], np.int32))
+
+
+def test_2_joining_traced_pairs_points_to_to_int32():
+  with pytest.raises(TypeError, match=r"jr\.keys\.to_int32"):
+    jax.jit(jr.keys.join64)(jr.keys.split64(np.array([1])))
+
+
+# -------------------------------------------------------------- 5. errors, cont.
+
+
+def test_5_int64_ids_truncated_at_the_jit_boundary_are_named_as_such():
+  from flax import nnx
+
+  class Model(nnx.Module):
+    def __init__(self):
+      self.table = _table()
+
+  model = Model()
+  with pytest.raises(TypeError, match=r"got a JAX int32 array.*dropping their high bits.*jr.keys.split64"):
+    nnx.jit(lambda m, ids: m.table.find(ids))(model, np.array([2**40], np.int64))
+  assert nnx.jit(lambda m, ids: m.table.find(ids))(model, jr.keys.split64(np.array([2**40]))).tolist() == [
+    -1.0
+  ]
+
+
+def test_5_string_rows_of_another_width_inside_jit_are_a_clear_error():
+  from flax import nnx
+
+  class Model(nnx.Module):
+    def __init__(self):
+      self.table = jr.MutableHashTable(str, np.float32, 0.0, max_key_length=16)
+
+  model = Model()
+  model.table.insert(["ab"], np.ones(1, np.float32))
+  find = nnx.jit(lambda m, rows: m.table.find(rows))
+  assert find(model, jr.keys.encode_strings(["ab"], max_length=8)).tolist() == [1.0]  # narrower: widened
+  with pytest.raises(ValueError, match=r"max_length <= 16 \(rows of width <= 5\); got uint32\[1, 9\]"):
+    find(model, jr.keys.encode_strings(["ab"], max_length=32))

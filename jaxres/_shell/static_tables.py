@@ -92,7 +92,9 @@ class StaticVocabularyTable(StaticHashTable):
   Reads like every stateful table: ``find`` (and ``vocab[keys]``) gives ids,
   ``lookup`` gives ``(ids, in_vocab)``. (TensorFlow's ``lookup`` returns the
   ids alone.) Ids are ``int64``, exact: NumPy arrays on the host with
-  ``jax_enable_x64`` off, word pairs inside ``jit`` (see :mod:`jaxres.keys`).
+  ``jax_enable_x64`` off, word pairs inside ``jit`` (see :mod:`jaxres.keys`);
+  ``jr.keys.to_int32(ids)`` gives the ``int32`` ids that ``nnx.Embed`` and
+  indexing take, inside ``jit`` or not.
 
   Args:
     initializer: keys (strings or integers) and their integer ids.

@@ -212,12 +212,19 @@ class KeySpec:
   def _is_pairs(self, dtype, shape) -> bool:
     return self.wide and dtype == np.uint32 and tuple(shape[-1:]) == (2,)
 
-  def _check_dtype(self, dtype, shape, name):
+  def _check_dtype(self, dtype, shape, name, jax_array: bool = False):
     dtype = np.dtype(dtype)
     if dtype == self.dtype or self._is_pairs(dtype, shape):
       return
     if not self.wide and dtype.kind in "iu" and np.can_cast(dtype, self.dtype, "safe"):
       return
+    if self.wide and jax_array and dtype == jax.dtypes.canonicalize_dtype(self.dtype):
+      raise TypeError(
+        f"{name}: expected {self.dtype} keys, got a JAX {dtype} array: with jax_enable_x64 off, JAX "
+        f"turns {self.dtype} ids passed into jit (or jnp.asarray) into {dtype}, dropping their high "
+        "bits. Pass jr.keys.split64(ids) (uint32 word pairs) into the jitted function instead, or "
+        "enable jax_enable_x64."
+      )
     if self.wide:
       hint = (
         f"pass a NumPy {self.dtype} array, a JAX array of dtype {self.dtype} (with jax_enable_x64), "
@@ -229,7 +236,7 @@ class KeySpec:
     raise TypeError(f"{name}: expected {self.dtype} keys, got {dtype}; {hint}")
 
   def _encode_jax(self, keys, name):
-    self._check_dtype(keys.dtype, keys.shape, name)
+    self._check_dtype(keys.dtype, keys.shape, name, jax_array=True)
     if self._is_pairs(keys.dtype, keys.shape):
       batch = _check_trailing(keys.shape, (*self.shape, 2), name, self, "word-pair keys")
       words = self._flip(keys)
