@@ -3,3 +3,19 @@ import sys
 
 # Tests import the shared oracle as a plain module.
 sys.path.insert(0, os.path.dirname(__file__))
+
+import pytest
+
+from jaxres._core.kernels import native
+
+
+@pytest.fixture(scope="module", params=["kernels", "references"])
+def kernels(request):
+  """Runs a module's tests twice: with the CPU kernels (the default), and on their XLA references
+  alone (what a GPU or TPU runs), so the oracle suites check both. Module-scoped, so that JAX's
+  caches are cleared (see ``native.references``) once per module and mode, not per test."""
+  if request.param == "kernels":
+    yield
+  else:
+    with native.references():
+      yield

@@ -3,8 +3,9 @@
 Each kernel is compared bit for bit with its reference on tables grown by random
 operations (hypothesis), and whole runs with the kernels off (``JAXRES_KERNELS=0``,
 in a subprocess) leave the same tables and results as runs with them on. The
-oracle and hypothesis suites run with the kernels on (the default on CPU) and,
-in ``test_oracle_suites_pass_on_the_xla_reference``, with them off.
+oracle and hypothesis suites (test_table, test_stateful, test_transforms) run
+each test with the kernels on (the default on CPU) and on the references alone
+(the ``kernels`` fixture of conftest).
 """
 
 import functools
@@ -485,19 +486,3 @@ def test_kernels_on_and_off_leave_identical_tables(tmp_path):
   assert on["i32/counts"][0] > 250  # the tables filled up: dropped keys and full buckets were exercised
   assert on["i32/counts"][1] > 0
   assert on["lru/counts"][2] > 0 and on["lfu/counts"][2] > 0  # full tables evicted
-
-
-@pytest.mark.slow
-def test_oracle_suites_pass_on_the_xla_reference():
-  """The dict-oracle and hypothesis suites of the tables, with the kernels off."""
-  env = {**os.environ, "JAXRES_KERNELS": "0"}
-  modules = ["tests/test_table.py", "tests/test_stateful.py", "tests/test_transforms.py"]
-  result = subprocess.run(
-    [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *modules],
-    env=env,
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=1200,
-  )
-  assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

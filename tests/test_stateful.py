@@ -1,4 +1,5 @@
-"""Hypothesis drives random operation sequences against the dict oracle."""
+"""Hypothesis drives random operation sequences against the dict oracle, with the CPU kernels and
+on their XLA references."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from oracle import KINDS, STORAGES, DictTable, Sharded, assert_matches, assert_rows_equal, table_rows
 
 import jaxres as jr
+from jaxres._core.kernels import native
 
 BATCH = 4
 CAPACITIES = (6, 10)
@@ -23,7 +25,10 @@ def _add_rows(old, new):
   return tuple(a + b for a, b in zip(old, new))
 
 
-def machine_for(storage, kind, capacities=CAPACITIES, max_examples=10):
+def machine_for(storage, kind, capacities=CAPACITIES, max_examples=10, references=False):
+  """The state machine of ``storage`` tables of ``kind``; ``references``: each run traces the XLA
+  references of the CPU kernels alone (what a GPU or TPU runs)."""
+
   class TableMachine(RuleBasedStateMachine):
     def __init__(self):
       super().__init__()
@@ -94,16 +99,35 @@ def machine_for(storage, kind, capacities=CAPACITIES, max_examples=10):
   TableMachine.TestCase.settings = settings(
     max_examples=max_examples, stateful_step_count=25, deadline=None, suppress_health_check=list(HealthCheck)
   )
+  if references:  # the whole test case on the references: JAX's caches cleared once, not per example
+
+    class OnReferences(TableMachine.TestCase):
+      @classmethod
+      def setUpClass(cls):
+        cls._tracing = native.references()
+        cls._tracing.__enter__()
+
+      @classmethod
+      def tearDownClass(cls):
+        cls._tracing.__exit__(None, None, None)
+
+    TableMachine.TestCase = OnReferences
   return TableMachine
 
 
 _KINDS = {k.name: k for k in KINDS}
 for _storage in STORAGES:
   for _kind in ("int64", "pair_int32", "uint64"):
-    _name = f"Test{_storage.__name__}_{_kind}"
-    globals()[_name] = machine_for(_storage, _KINDS[_kind]).TestCase
+    for _references in (False, True):
+      _name = f"Test{_storage.__name__}_{_kind}" + ("_references" * _references)
+      globals()[_name] = machine_for(_storage, _KINDS[_kind], references=_references).TestCase
 
 # Sharded over 8 devices; the capacities exceed the 10 keys drawn, so no shard fills.
 TestShardedOpenAddressingTable_int64 = pytest.mark.slow(
   machine_for(Sharded(jr.OpenAddressingTable), _KINDS["int64"], capacities=(12, 16), max_examples=3).TestCase
+)
+TestShardedOpenAddressingTable_int64_references = pytest.mark.slow(
+  machine_for(
+    Sharded(jr.OpenAddressingTable), _KINDS["int64"], capacities=(12, 16), max_examples=3, references=True
+  ).TestCase
 )

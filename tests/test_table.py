@@ -24,6 +24,10 @@ from oracle import (
 
 import jaxres as jr
 from jaxres._core import row_protocol
+from jaxres._core.kernels import native
+
+# Every test runs with the CPU kernels and on their XLA references (see conftest.kernels).
+pytestmark = pytest.mark.usefixtures("kernels")
 
 BATCH = 8
 
@@ -364,3 +368,12 @@ def test_import_words_matches_import():
   words, _ = table.key_spec.encode(keys, "keys")
   imported = table.import_words(jnp.asarray(words).reshape(3, -1), [jnp.asarray(values)], jnp.ones(3, bool))
   assert entries(imported) == entries(table.import_(keys, values))
+
+
+def test_each_mode_of_the_kernels_fixture_traces_what_it_names(request):
+  """The ``references`` runs of this module trace no kernel; the ``kernels`` runs use them on CPU."""
+  table = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.float32)
+  keys, values = np.arange(4, dtype=np.int32), np.ones(4, np.float32)
+  text = jax.jit(lambda t, k, v: t.insert(k, v)).lower(table, keys, values).as_text()
+  mode = request.node.callspec.params["kernels"]
+  assert ("custom_call" in text) == (mode == "kernels" and native.ENABLED)

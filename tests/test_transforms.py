@@ -9,6 +9,9 @@ from oracle import STORAGES
 import jaxres as jr
 from jaxres._core import row_protocol
 
+# Every test runs with the CPU kernels and on their XLA references (see conftest.kernels).
+pytestmark = pytest.mark.usefixtures("kernels")
+
 OPS = {
   "insert": lambda t, k, v: t.insert(k, v),
   "find": lambda t, k, v: t.find(k),
