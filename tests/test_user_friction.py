@@ -249,3 +249,40 @@ def test_5_string_rows_of_another_width_inside_jit_are_a_clear_error():
   assert find(model, jr.keys.encode_strings(["ab"], max_length=8)).tolist() == [1.0]  # narrower: widened
   with pytest.raises(ValueError, match=r"max_length <= 16 \(rows of width <= 5\); got uint32\[1, 9\]"):
     find(model, jr.keys.encode_strings(["ab"], max_length=32))
+
+
+# ------------------------------------------------ 6. equal optimizers share a compile
+
+
+def test_6_a_new_but_equal_optimizer_reuses_the_compiled_step():
+  import optax
+  from flax import nnx
+
+  from jaxres._nn.rowwise import structure_key
+
+  traces = []
+
+  class Model(nnx.Module):
+    def __init__(self, optimizer):
+      self.emb = jr.DynamicEmbedding(64, 4, optimizer=optimizer, rngs=nnx.Rngs(0))
+
+  @nnx.jit
+  def step(model, ids):
+    traces.append(1)
+    rows = model.emb(ids)
+    model.emb.apply_gradients(ids, 2 * rows)  # the gradient of sum(rows ** 2)
+    return rows
+
+  ids = jr.keys.split64(np.array([3, 9, 3]))
+  results = []
+  for optimizer in (optax.adam(0.01), optax.adam(0.01), optax.adam(0.02)):
+    model = Model(optimizer)
+    step(model, ids)
+    step(model, ids)
+    results.append(np.asarray(model.emb(ids)))
+  assert len(traces) == 2  # the second adam(0.01) reused the first one's step; adam(0.02) did not
+  np.testing.assert_array_equal(results[0], results[1])
+  assert not np.array_equal(results[0], results[2])
+  chain = lambda: optax.chain(optax.clip(1.0), optax.adam(optax.exponential_decay(0.1, 10, 0.5)))
+  assert structure_key(chain()) == structure_key(chain())
+  assert structure_key(optax.sgd(0.1)) != structure_key(optax.adagrad(0.1))

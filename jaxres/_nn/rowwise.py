@@ -9,6 +9,8 @@ semantics, as TensorFlow's LazyAdam).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -16,12 +18,15 @@ import numpy as np
 import optax
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class RowOptimizer:
   """An optax transformation vectorised over rows, its per-row state as flat leaves.
 
   Build one with :meth:`wrap`, which checks that the transformation works
-  row by row.
+  row by row. Two are equal when their transformations are built alike
+  (``optax.adam(0.01)`` twice: the same functions with equal settings; see
+  :func:`structure_key`), so a model given a new but equal optimizer reuses
+  its compiled steps.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -87,6 +92,16 @@ class RowOptimizer:
         "rmsprop, lion, clip, chains of them)."
       )
 
+  def __eq__(self, other) -> bool:
+    return isinstance(other, RowOptimizer) and self._key == other._key
+
+  def __hash__(self) -> int:
+    return hash(self._key)
+
+  @functools.cached_property
+  def _key(self):
+    return (structure_key(self.transformation), self.features)
+
   def init(self, rows: jax.Array) -> list[jax.Array]:
     """The initial state leaves of ``rows`` (``[n, features]``): leaves ``[n, *slot_shape]``."""
     return jax.tree.leaves(jax.vmap(self.transformation.init)(rows))
@@ -99,3 +114,41 @@ class RowOptimizer:
       return optax.apply_updates(row, updates), jax.tree.leaves(state)
 
     return jax.vmap(one)(grads, rows, list(slots))
+
+
+def structure_key(x, _seen: frozenset = frozenset()):
+  """A hashable key, equal for values built alike: functions by their code, defaults and the
+  contents of their closures (an optax transformation is a pair of such closures), partials by
+  their function and arguments, containers by their items, arrays by their contents, other
+  objects by their own equality (identity, for most).
+
+  Example:
+    >>> import optax
+    >>> structure_key(optax.adam(0.01)) == structure_key(optax.adam(0.01))
+    True
+    >>> structure_key(optax.adam(0.01)) == structure_key(optax.adam(0.02))
+    False
+  """
+  if id(x) in _seen:
+    return ("cycle",)
+  seen = _seen | {id(x)}
+  if isinstance(x, types.FunctionType):
+    cells = tuple(cell.cell_contents for cell in x.__closure__ or ())
+    parts = (x.__defaults__, x.__kwdefaults__, cells)
+    return ("function", x.__code__, *(structure_key(part, seen) for part in parts))
+  if isinstance(x, functools.partial):
+    return ("partial", *(structure_key(part, seen) for part in (x.func, x.args, x.keywords)))
+  if isinstance(x, (tuple, list)):
+    return (type(x), tuple(structure_key(item, seen) for item in x))
+  if isinstance(x, dict):
+    return (type(x), tuple((k, structure_key(v, seen)) for k, v in sorted(x.items(), key=repr)))
+  if isinstance(x, (np.ndarray, np.generic)) or (
+    isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+  ):
+    array = np.asarray(x)
+    return ("array", array.shape, str(array.dtype), array.tobytes())
+  try:
+    hash(x)
+  except TypeError:
+    return ("object", id(x), x)  # unhashable: by identity (kept alive with the key)
+  return ("value", type(x), x)
