@@ -133,7 +133,7 @@ def structure_key(x, _seen: frozenset = frozenset()):
     return ("cycle",)
   seen = _seen | {id(x)}
   if isinstance(x, types.FunctionType):
-    cells = tuple(cell.cell_contents for cell in x.__closure__ or ())
+    cells = tuple(_contents(cell) for cell in x.__closure__ or ())
     parts = (x.__defaults__, x.__kwdefaults__, cells)
     return ("function", x.__code__, *(structure_key(part, seen) for part in parts))
   if isinstance(x, functools.partial):
@@ -152,3 +152,13 @@ def structure_key(x, _seen: frozenset = frozenset()):
   except TypeError:
     return ("object", id(x), x)  # unhashable: by identity (kept alive with the key)
   return ("value", type(x), x)
+
+
+_EMPTY = object()  # the contents of a closure cell not assigned yet
+
+
+def _contents(cell):
+  try:
+    return cell.cell_contents
+  except ValueError:
+    return _EMPTY
