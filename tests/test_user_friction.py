@@ -286,3 +286,83 @@ def test_6_a_new_but_equal_optimizer_reuses_the_compiled_step():
   chain = lambda: optax.chain(optax.clip(1.0), optax.adam(optax.exponential_decay(0.1, 10, 0.5)))
   assert structure_key(chain()) == structure_key(chain())
   assert structure_key(optax.sgd(0.1)) != structure_key(optax.adagrad(0.1))
+
+
+# ----------------------------- 3. an embedding restored into another row optimizer
+
+
+def _trained_embedding(optimizer, mesh=None, **kwargs):
+  import optax  # noqa: F401
+  from flax import nnx
+
+  class Model(nnx.Module):
+    def __init__(self):
+      axis = None if mesh is None else "shard"
+      self.emb = jr.DynamicEmbedding(
+        64, 4, optimizer=optimizer, rngs=nnx.Rngs(0), eviction=jr.LRU(), mesh=mesh, axis=axis, **kwargs
+      )
+
+  return Model()
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["table", "sharded"])
+@pytest.mark.parametrize("before, after", [("adam", "sgd"), ("sgd", "adam"), ("adam", "adagrad")])
+def test_3_an_embedding_trained_with_another_optimizer_restores_its_rows(tmp_path, sharded, before, after):
+  import optax
+  from oracle import mesh_of
+
+  mesh = mesh_of(8) if sharded else None
+  make = {
+    "adam": lambda: optax.adam(0.1),
+    "sgd": lambda: optax.sgd(0.1),
+    "adagrad": lambda: optax.adagrad(0.1),
+  }
+  trained = _trained_embedding(make[before](), mesh)
+  ids = np.array([3, 9, 2**40, 3])
+  for _ in range(2):
+    trained.emb(ids)
+    trained.emb.apply_gradients(ids, np.ones((4, 4), np.float32))
+  path = jr.Checkpoint(model=trained).save(tmp_path / "ckpt")
+
+  strict = _trained_embedding(make[after](), mesh)
+  with pytest.raises(TypeError, match=r"model/emb/table: .*another row optimizer.*restore_rows_only=True"):
+    jr.Checkpoint(model=strict).restore(path)
+  assert strict.emb.size() == 0  # nothing restored
+
+  fresh = _trained_embedding(make[after](), mesh, restore_rows_only=True)
+  jr.Checkpoint(model=fresh).restore(path).assert_consumed()
+  want_ids, want_rows = trained.emb.export()
+  got_ids, got_rows = fresh.emb.export()
+  np.testing.assert_array_equal(got_ids, want_ids)
+  np.testing.assert_array_equal(got_rows, want_rows)
+  table, old = fresh.emb.table.get_value(), trained.emb.table.get_value()
+  np.testing.assert_array_equal(np.asarray(table.scores(ids)), np.asarray(old.scores(ids)))
+  # every row's optimizer state is the new optimizer's initial state: a step from it equals one of a
+  # new embedding holding the same rows
+  reference = _trained_embedding(make[after](), mesh)
+  reference.emb.table.set_value(
+    reference.emb.table.get_value().import_(
+      got_ids, {"row": got_rows, "slots": tuple(reference.emb._spec.optimizer.init(jnp.asarray(got_rows)))}
+    )
+  )
+  for emb in (fresh.emb, reference.emb):
+    emb(ids)
+    emb.apply_gradients(ids, np.ones((4, 4), np.float32))
+  np.testing.assert_allclose(fresh.emb.export()[1], reference.emb.export()[1], rtol=1e-6)
+
+
+def test_3_the_same_optimizer_restores_its_state_with_or_without_the_option(tmp_path):
+  import optax
+
+  trained = _trained_embedding(optax.adam(0.1))
+  ids = np.array([1, 2])
+  trained.emb(ids)
+  trained.emb.apply_gradients(ids, np.ones((2, 4), np.float32))
+  path = jr.Checkpoint(model=trained).save(tmp_path / "ckpt")
+  for option in (False, True):
+    fresh = _trained_embedding(optax.adam(0.1), restore_rows_only=option)
+    jr.Checkpoint(model=fresh).restore(path).assert_consumed()
+    want = jax.device_get(trained.emb.table.get_value().export())
+    got = jax.device_get(fresh.emb.table.get_value().export())
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(a, b)  # the optimizer state too

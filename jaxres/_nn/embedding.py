@@ -30,6 +30,15 @@ class EmbeddingState(nnx.Variable):
   """The tables and counters of a :class:`DynamicEmbedding` (not an ``nnx.Param``: no dense gradient)."""
 
 
+class EmbeddingRows(EmbeddingState):
+  """The table of a :class:`DynamicEmbedding`'s rows and their optimizer state.
+
+  Its metadata ``row_optimizer`` and ``restore_rows_only`` let a checkpoint
+  trained with another row optimizer be restored: the rows and scores kept,
+  the optimizer state started afresh (see :func:`rows_only`).
+  """
+
+
 class RecentRows(nnx.Variable):
   """The rows the last lookup found, kept for :meth:`DynamicEmbedding.apply_gradients` (not checkpointed).
 
@@ -102,6 +111,11 @@ class DynamicEmbedding(nnx.Module):
     deterministic: inference mode (NNX's convention, as ``nnx.Dropout``:
       ``model.eval()`` sets it, ``model.train()`` clears it): a lookup only
       reads, and :meth:`apply_gradients` raises.
+    restore_rows_only: restore a checkpoint trained with another row
+      optimizer (other optimizer state per row, say adam's into sgd's): its
+      ids, rows, scores and counters are kept, and every row's optimizer
+      state starts afresh, as a new row's does. Without it such a
+      checkpoint is a ``TypeError`` saying so.
 
   Example:
     >>> import numpy as np, optax, jaxres as jr
@@ -133,6 +147,7 @@ class DynamicEmbedding(nnx.Module):
     axis: str | None = None,
     admission_capacity: int | None = None,
     deterministic: bool = False,
+    restore_rows_only: bool = False,
   ):
     capacity = check_capacity(capacity)
     features = check_int(features, "features", low=1)
@@ -148,6 +163,8 @@ class DynamicEmbedding(nnx.Module):
       raise ValueError("mesh, axis: give both to shard the table, or neither.")
     if not isinstance(deterministic, bool):
       raise TypeError(f"deterministic: expected a bool, got {deterministic!r}.")
+    if not isinstance(restore_rows_only, bool):
+      raise TypeError(f"restore_rows_only: expected a bool, got {restore_rows_only!r}.")
     optimizer = RowOptimizer.wrap(optimizer, features)
     value = {"row": jax.ShapeDtypeStruct((features,), jnp.float32), "slots": optimizer.slots}
     default = jax.tree.map(lambda _: 0, value)
@@ -159,7 +176,7 @@ class DynamicEmbedding(nnx.Module):
       )
     self._spec = _Spec(optimizer, initializer, min_count)
     self.capacity, self.features = capacity, features
-    self.table = EmbeddingState(table)
+    self.table = EmbeddingRows(table, row_optimizer=optimizer, restore_rows_only=restore_rows_only)
     room = (
       capacity if admission_capacity is None else check_capacity(admission_capacity, "admission_capacity")
     )

@@ -1,0 +1,101 @@
+"""Restoring a :class:`jaxres.DynamicEmbedding` trained with another row optimizer.
+
+A checkpoint stores each row with its optimizer state (``values/row`` and
+``values/slots/<i>`` arrays, see :mod:`jaxres._persistence.saved_entries`).
+Restored into an embedding whose row optimizer keeps other state, the rows
+(and ids, scores, counters) can be kept and every row's optimizer state
+started afresh: :func:`rows_only` rewrites the arrays so, and the handle
+registered here for :class:`EmbeddingRows` does it when the embedding was
+created with ``restore_rows_only=True``; otherwise it names the option.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxres._integrations.nnx import VariableHandle
+from jaxres._nn.embedding import EmbeddingRows
+from jaxres._nn.rowwise import RowOptimizer
+from jaxres._persistence.processes import Blocks
+from jaxres._tracking import handles
+
+_SLOT = re.compile(r"(.*)values/slots/\d+")
+_ROW = re.compile(r"(.*)values/row")
+
+
+def trained_with_another_optimizer(arrays, optimizer: RowOptimizer) -> bool:
+  """Whether ``arrays`` are an embedding table's with other per-row optimizer state than ``optimizer``'s."""
+  rows = [name for name in arrays if _ROW.fullmatch(name)]
+  if not rows:
+    return False
+  want = [(s.shape, np.dtype(s.dtype)) for s in optimizer.slots]
+  for prefix in {_ROW.fullmatch(name)[1] for name in rows}:
+    slots = sorted((n for n in arrays if _SLOT.fullmatch(n) and _SLOT.fullmatch(n)[1] == prefix), key=_index)
+    got = [(tuple(arrays[n].shape)[_lead(prefix) :], np.dtype(arrays[n].dtype)) for n in slots]
+    if got != want:
+      return True
+  return False
+
+
+def rows_only(arrays, optimizer: RowOptimizer) -> dict:
+  """``arrays`` of an embedding table with every row's optimizer state replaced by ``optimizer``'s
+  initial state for that row (ids, rows, scores and counters as they were)."""
+  out = {name: array for name, array in arrays.items() if not _SLOT.fullmatch(name)}
+  for name, rows in arrays.items():
+    match = _ROW.fullmatch(name)
+    if match is None:
+      continue
+    prefix = match[1]
+    for i, slot in enumerate(_fresh(rows, optimizer, _lead(prefix))):
+      out[f"{prefix}values/slots/{i}"] = slot
+  return out
+
+
+def _fresh(rows, optimizer: RowOptimizer, lead: int) -> list:
+  """The initial optimizer state of ``rows`` (``[*lead dims, n, features]``, or :class:`Blocks`)."""
+  if isinstance(rows, Blocks):  # this process's shards of a global array
+    parts = {i: _fresh(row, optimizer, 1) for i, row in rows.rows.items()}
+    return [
+      Blocks((*rows.shape[:2], *s.shape), np.dtype(s.dtype), {i: part[k] for i, part in parts.items()})
+      for k, s in enumerate(optimizer.slots)
+    ]
+  rows = np.asarray(rows)
+  flat = rows.reshape(-1, rows.shape[-1])
+  state = optimizer.init(jnp.asarray(flat)) if len(flat) else None
+  return [
+    np.asarray(leaf).reshape(*rows.shape[:-1], *s.shape)
+    if state is not None
+    else np.zeros((*rows.shape[:-1], *s.shape), s.dtype)
+    for leaf, s in zip(state or [None] * len(optimizer.slots), optimizer.slots)
+  ]
+
+
+def _lead(prefix: str) -> int:
+  """Leading dimensions before one entry's shape: ``[n]``, or ``[shards, width]`` in blocks."""
+  return 2 if prefix == "blocks/" else 1
+
+
+def _index(name: str) -> int:
+  return int(name.rsplit("/", 1)[1])
+
+
+class EmbeddingRowsHandle(VariableHandle):
+  """The rows table of an embedding: restored as any table's, or rows only (see the module)."""
+
+  def restore(self, arrays):
+    optimizer = self.obj.get_metadata()["row_optimizer"]
+    if trained_with_another_optimizer(arrays, optimizer):
+      if not self.obj.get_metadata()["restore_rows_only"]:
+        raise TypeError(
+          "the checkpoint's embedding rows were trained with another row optimizer (other optimizer "
+          "state per row); to keep its ids, rows and scores and start every row's optimizer state "
+          "afresh, create the jr.DynamicEmbedding with restore_rows_only=True."
+        )
+      arrays = rows_only(arrays, optimizer)
+    return super().restore(arrays)
+
+
+handles.register(EmbeddingRows, EmbeddingRowsHandle)
