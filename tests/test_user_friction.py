@@ -366,3 +366,37 @@ def test_3_the_same_optimizer_restores_its_state_with_or_without_the_option(tmp_
     got = jax.device_get(fresh.emb.table.get_value().export())
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_array_equal(a, b)  # the optimizer state too
+
+
+# ------------------------------------------------- 7. several tables in a module
+
+
+def test_7_tables_in_an_nnx_module_go_in_an_nnx_list(tmp_path):
+  """A plain list of tables is refused by Flax (a static attribute holding data); nnx.List works,
+  inside nnx.jit and in checkpoints, as the stateful-tables guide says."""
+  from flax import nnx
+
+  class Plain(nnx.Module):
+    def __init__(self):
+      self.tables = [_table()]
+
+  with pytest.raises(ValueError, match="static attribute"):
+    Plain()
+
+  class Model(nnx.Module):
+    def __init__(self):
+      self.tables = nnx.List([_table() for _ in range(2)])
+
+  model = Model()
+
+  @nnx.jit
+  def insert(model, ids):
+    for i, table in enumerate(model.tables):
+      table.insert(ids, jnp.full(ids.shape[:-1], i, jnp.float32))
+
+  insert(model, jr.keys.split64(np.array([1, 2**40])))
+  assert [t.find(np.array([2**40])).tolist() for t in model.tables] == [[0.0], [1.0]]
+  path = jr.Checkpoint(model=model).save(tmp_path / "ckpt")
+  fresh = Model()
+  jr.Checkpoint(model=fresh).restore(path).assert_consumed()
+  assert [t.find(np.array([1])).tolist() for t in fresh.tables] == [[0.0], [1.0]]
