@@ -20,6 +20,20 @@ class KeysLostError(ValueError):
   Raised by the table's next eager call (once: the report is then consumed), with how many
   keys were lost and what to do (``reserve()`` before jitting, or a larger initial capacity).
   A ``ValueError``, as the contract names it.
+
+  Examples:
+    >>> import numpy as np, jaxres as jr
+    >>> from flax import nnx
+    >>> class Model(nnx.Module):
+    ...   def __init__(self):
+    ...     self.table = jr.MutableHashTable(np.int32, np.float32, 0.0, initial_capacity=1)
+    >>> model = Model()
+    >>> nnx.jit(lambda m, k: m.table.insert(k, k.astype(np.float32)))(model, np.arange(3, dtype=np.int32))
+    >>> try:
+    ...   model.table.find(np.array([0], np.int32))
+    ... except jr.KeysLostError as err:
+    ...   print(str(err)[:42])
+    MutableHashTable: 2 key(s) were lost by an
   """
 
 
@@ -35,7 +49,7 @@ def check_int(
     TypeError: ``value`` is not an integer.
     ValueError: ``value`` is out of range.
 
-  Example:
+  Examples:
     >>> check_int(np.int64(8), "capacity", low=1)
     8
     >>> check_int(4.0, "bucket_size")
@@ -63,7 +77,7 @@ def at_path(path: str, err: Exception) -> Exception:
   """``err`` with ``path`` in front of its message, of the same type where one can be built from a
   message (else a ``RuntimeError`` naming the type).
 
-  Example:
+  Examples:
     >>> at_path("model/emb", ValueError("expected 4 rows, got 3."))
     ValueError('model/emb: expected 4 rows, got 3.')
   """

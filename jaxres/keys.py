@@ -9,7 +9,7 @@ them. On the host, NumPy ``int64``/``uint64`` arrays are accepted directly.
 Strings travel inside ``jit`` as fixed-width ``uint32`` rows
 (:func:`encode_strings`); string tables encode and decode on the host for you.
 
-Example:
+Examples:
   >>> import numpy as np, jaxres as jr
   >>> ids = np.array([2**40 + 5, -1], dtype=np.int64)
   >>> pairs = jr.keys.split64(ids)
@@ -41,6 +41,11 @@ def split64(x):
 
   Raises:
     TypeError: ``x`` is not a 64-bit integer array.
+
+  Examples:
+    >>> import numpy as np, jaxres as jr
+    >>> jr.keys.split64(np.array([2**32 + 7])).tolist()
+    [[1, 7]]
   """
   if isinstance(x, jax.Array):
     if x.dtype not in (np.int64, np.uint64):
@@ -57,9 +62,21 @@ def split64(x):
 def join64(pairs, dtype=np.int64):
   """``uint32[..., 2]`` word pairs -> 64-bit integers of ``dtype``.
 
-  Returns a JAX array when x64 is on, a NumPy array for concrete pairs when it
-  is off, and raises ``TypeError`` for traced pairs with x64 off (there is no
-  64-bit JAX dtype to return; keep the pairs).
+  Args:
+    pairs: ``uint32[..., 2]`` word pairs (high word first).
+    dtype: ``int64`` or ``uint64``.
+
+  Returns:
+    A JAX array when x64 is on, a NumPy array for concrete pairs when it is off.
+
+  Raises:
+    TypeError: traced pairs with x64 off (there is no 64-bit JAX dtype to
+      return: keep the pairs, or take ids below ``2**31`` with :func:`to_int32`).
+
+  Examples:
+    >>> import numpy as np, jaxres as jr
+    >>> jr.keys.join64(np.array([[1, 7]], np.uint32)).tolist()
+    [4294967303]
   """
   dtype = np.dtype(dtype)
   if dtype not in (np.int64, np.uint64):
@@ -96,7 +113,7 @@ def to_int32(ids):
     ValueError: (eagerly) an id outside ``[0, 2**31)``.
     TypeError: ``ids`` are none of the above.
 
-  Example:
+  Examples:
     >>> import numpy as np, jax, jaxres as jr
     >>> jax.jit(jr.keys.to_int32)(jr.keys.split64(np.array([3, 2**31 - 1, 2**40]))).tolist()
     [3, 2147483647, -1]
@@ -129,7 +146,7 @@ def hash(keys, key, *, seed: int = 0):
   Returns:
     ``uint32[*batch]``.
 
-  Example:
+  Examples:
     >>> import numpy as np, jaxres as jr
     >>> h = jr.keys.hash(np.array([7, 2**40, 7]), np.int64)
     >>> h.dtype, h.shape, bool(h[0] == h[2]), bool(h[0] != h[1])
@@ -144,11 +161,18 @@ def encode_strings(values, max_length: int = 64):
   ``width`` is ``ceil(max_length / 4) + 1``; pass the table's ``max_key_length``
   (or ``max_value_length``) so that the widths match.
 
+  Args:
+    values: strings (any array shape, or a list).
+    max_length: the longest string in UTF-8 bytes.
+
+  Returns:
+    ``uint32[*shape, width]`` rows (a JAX array).
+
   Raises:
     TypeError: an element is not a string.
     ValueError: an element is longer than ``max_length`` UTF-8 bytes.
 
-  Example:
+  Examples:
     >>> import jaxres as jr
     >>> rows = jr.keys.encode_strings(["héllo", ""], max_length=8)
     >>> rows.shape, jr.keys.decode_strings(rows).tolist()
@@ -159,7 +183,23 @@ def encode_strings(values, max_length: int = 64):
 
 
 def decode_strings(rows):
-  """``uint32[..., width]`` rows -> NumPy array of ``str`` (host only)."""
+  """``uint32[..., width]`` rows -> NumPy array of ``str`` (host only).
+
+  Args:
+    rows: rows from :func:`encode_strings` (or a string table's export under ``jit``).
+
+  Returns:
+    A NumPy array of ``str`` of the rows' batch shape.
+
+  Raises:
+    TypeError: traced rows, or rows of another dtype or shape.
+    ValueError: rows that are not encoded strings.
+
+  Examples:
+    >>> import jaxres as jr
+    >>> jr.keys.decode_strings(jr.keys.encode_strings(["a", "bc"])).tolist()
+    ['a', 'bc']
+  """
   if key_specs.is_traced(rows):
     raise TypeError(
       "rows: strings can only be decoded outside jit; return the rows and decode them afterwards."

@@ -10,7 +10,7 @@ capacity) and ``variables/``, a full ``jr.Checkpoint`` of the object
 (``jr.Checkpoint(model=...).restore(path / "variables")`` resumes training).
 ``load`` needs JAX and jaxres, not the code that built the object.
 
-Example:
+Examples:
   >>> import tempfile, jax, jax.numpy as jnp, numpy as np, jaxres as jr
   >>> table = jr.MutableHashTable(np.int64, np.float32, default_value=-1.0)
   >>> table.insert(np.array([7, 2**40]), np.array([0.5, 1.5], np.float32))
@@ -59,9 +59,21 @@ def save(obj, path, signatures, *, platforms=("cpu", "cuda"), format: str = "jax
       ``tensorflow``, never a dependency of jaxres).
 
   Raises:
-    TypeError, ValueError: bad arguments (naming them), a signature that
-      changes the object or returns something other than arrays (naming
-      it); nothing is written.
+    TypeError: bad arguments (naming them), or a signature that changes the
+      object or returns something other than arrays (naming it); nothing is
+      written.
+    ValueError: bad argument values (naming them); nothing is written.
+
+  Examples:
+    >>> import tempfile, jax, numpy as np, jaxres as jr
+    >>> table = jr.SortedTable.create(8, key=np.int32, value=np.float32, default=-1.0)
+    >>> table = table.insert(np.array([3], np.int32), np.array([0.5], np.float32))
+    >>> ids = jax.ShapeDtypeStruct(("batch",), np.int32)
+    >>> path = tempfile.mkdtemp() + "/export"
+    >>> find = jr.saved_model.Signature(lambda t, ids: t.find(ids), ids=ids)
+    >>> jr.saved_model.save(table, path, {"find": find})
+    >>> jr.saved_model.load(path).signatures["find"](ids=np.array([3, 4], np.int32))["output"].tolist()
+    [0.5, -1.0]
   """
   path = directory.check_target(path)
   signatures = _check_signatures(signatures)
@@ -102,6 +114,20 @@ def save(obj, path, signatures, *, platforms=("cpu", "cuda"), format: str = "jax
 
 def load(path) -> LoadedModel:
   """The saved model at ``path`` (format ``"jaxres"``): ``load(path).signatures[name](**inputs)``.
+
+  Args:
+    path: a directory :func:`save` wrote.
+
+  Returns:
+    The model, whose ``signatures`` call the saved programs by input name.
+
+  Examples:
+    >>> import tempfile, jax, numpy as np, jaxres as jr
+    >>> path = tempfile.mkdtemp() + "/export"
+    >>> twice = jr.saved_model.Signature(lambda obj, x: 2 * x, x=jax.ShapeDtypeStruct((2,), np.float32))
+    >>> jr.saved_model.save(jr.AutoTrackable(), path, {"twice": twice})
+    >>> jr.saved_model.load(path).signatures["twice"](x=np.ones(2, np.float32))["output"].tolist()
+    [2.0, 2.0]
 
   Raises:
     TypeError: ``path`` is not a path.

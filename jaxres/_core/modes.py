@@ -9,7 +9,7 @@ import enum
 class Upsert(enum.Enum):
   """What an upsert writes (``insert`` or ``find_or_insert``).
 
-  Example:
+  Examples:
     >>> Upsert.INSERT.keeps_present
     False
   """
@@ -26,7 +26,7 @@ class Carry(enum.Enum):
   value, or a reduction over all its rows (a scatter method: ``add``, ``multiply``, ``max``,
   ``min``).
 
-  Example:
+  Examples:
     >>> Carry.ADD.reduces, Carry.LAST.reduces
     (True, False)
   """

@@ -52,7 +52,7 @@ class LRU(Policy):
   The clock counts the table's mutating calls, so the entry evicted first is
   the one no call has named for longest.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxres as jr
     >>> t = jr.OpenAddressingTable.create(2, key=jnp.int32, value=jnp.float32, eviction=jr.LRU())
     >>> t = t.insert(jnp.array([1, 2]), jnp.array([1.0, 2.0]))
@@ -75,6 +75,13 @@ class LFU(Policy):
   Each call adds the key's occurrences in its batch, so a new key needs more
   occurrences in one batch than an entry has gathered to replace it: frequent
   keys stay.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxres as jr
+    >>> t = jr.OpenAddressingTable.create(2, key=jnp.int32, value=jnp.float32, eviction=jr.LFU())
+    >>> t = t.insert(jnp.array([1, 1, 2]), jnp.ones(3))      # 1 named twice, 2 once
+    >>> t.scores(jnp.array([1, 2])).tolist()
+    [2, 1]
   """
 
   counts = True
@@ -89,6 +96,14 @@ class CustomScore(Policy):
   """Scores chosen by the caller: every call that names keys passes ``scores=`` (``uint32[*batch]``).
 
   A key named several times in a call takes the score of its last occurrence.
+
+  Examples:
+    >>> import jax.numpy as jnp, numpy as np, jaxres as jr
+    >>> t = jr.OpenAddressingTable.create(2, key=jnp.int32, value=jnp.float32, eviction=jr.CustomScore())
+    >>> t = t.insert(jnp.array([1, 2]), jnp.ones(2), scores=np.array([10, 5], np.uint32))
+    >>> t, evicted = t.insert_and_evict(jnp.array([3]), jnp.ones(1), scores=np.array([7], np.uint32))
+    >>> evicted.keys.tolist()      # the lowest score left
+    [2]
   """
 
   takes_scores = True
@@ -116,6 +131,19 @@ class Evicted(NamedTuple):
   refused: then ``keys`` is that key). Keys come in their exact dtype, as from
   ``export()``; values have the table's value pytree; scores are the entries'
   scores when they left. Every field has the call's batch shape ``[*batch]``.
+
+  Attributes:
+    keys: the evicted (or refused) keys, ``[*batch, *key_shape]``.
+    values: their values (the table's default where nothing left).
+    scores: ``uint32[*batch]``, their scores when they left.
+    valid: ``bool[*batch]``, the rows where an entry left.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxres as jr
+    >>> t = jr.OpenAddressingTable.create(1, key=jnp.int32, value=jnp.float32, eviction=jr.LRU())
+    >>> t, evicted = t.insert(jnp.array([1]), jnp.ones(1)).insert_and_evict(jnp.array([2]), jnp.ones(1))
+    >>> evicted.keys.tolist(), evicted.valid.tolist()
+    ([1], [True])
   """
 
   keys: Any

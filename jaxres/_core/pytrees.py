@@ -24,7 +24,7 @@ def static_field():
 def leaf_names(tree, prefix: str) -> list[str]:
   """One name per leaf of ``tree``: ``prefix`` for a single leaf, else ``prefix/<key path>``.
 
-  Example:
+  Examples:
     >>> leaf_names(0.0, "values"), leaf_names({"emb": 0, "count": [1, 2]}, "values")
     (['values'], ['values/count/0', 'values/count/1', 'values/emb'])
   """

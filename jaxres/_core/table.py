@@ -55,6 +55,13 @@ class RowHandles(NamedTuple):
     inserted: ``bool[*batch]``: the key got its row in this call (every row of
       the key in the batch); the row holds no value of it yet.
     evicted: :class:`Evicted`, as for :meth:`Table.find_or_insert_and_evict`.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxres as jr
+    >>> t = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.float32)
+    >>> t, handles = t.find_or_insert_rows(jnp.array([5, 5, 6]))
+    >>> handles.inserted.tolist(), bool(handles.index[0] == handles.index[1])
+    ([True, True, True], True)
   """
 
   index: jax.Array
@@ -87,6 +94,14 @@ class Table(RowProtocol):
   copies the table's arrays, unless it is given ``donate=True``: the result
   then reuses this table's buffers, and this table may no longer be used
   (its arrays are deleted). The stateful tables donate the state they own.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaxres as jr
+    >>> t = jr.SortedTable.create(8, key=jnp.int32, value=jnp.float32, default=-1.0)
+    >>> isinstance(t, jr.Table)
+    True
+    >>> jax.jit(lambda t, k: t.insert(k, k * 1.0).find(k))(t, jnp.array([2, 9])).tolist()
+    [2.0, 9.0]
   """
 
   # Fields every storage declares (see the storage modules).
@@ -127,7 +142,7 @@ class Table(RowProtocol):
       ``values``: the value pytree with leaves ``[*batch, *value_shape]``
       (the table's default where missing), and ``found``: ``bool[*batch]``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxres as jr
       >>> t = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.float32, default=-1.0)
       >>> t = t.insert(jnp.array([3, 5]), jnp.array([0.5, 1.5]))
@@ -145,7 +160,7 @@ class Table(RowProtocol):
       default: ``None`` for the table's default, or a per-call pytree that
         broadcasts to ``[*batch, *value_shape]`` (a "dynamic default").
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxres as jr
       >>> t = jr.SortedTable.create(8, key=jnp.int32, value=jnp.float32, default=-1.0)
       >>> t = t.insert(jnp.array([3]), jnp.array([0.5]))
@@ -213,7 +228,7 @@ class Table(RowProtocol):
     above any candidate's). With an eviction policy, every key that was in the
     table or offered to it is afterwards in the table or in ``evicted``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxres as jr
       >>> t = jr.OpenAddressingTable.create(2, key=jnp.int32, value=jnp.float32, eviction=jr.LFU())
       >>> t = t.insert(jnp.array([1, 1, 2]), jnp.array([1.0, 1.0, 2.0]))   # 1 seen twice, 2 once
@@ -245,7 +260,7 @@ class Table(RowProtocol):
     Returns:
       ``(table, values)`` where ``values`` has leaves ``[*batch, *value_shape]``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxres as jr
       >>> t = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.int32, default=-1)
       >>> t, rows = t.find_or_insert(jnp.array([7, 9, 7]), jnp.array([0, 1, 2]))
@@ -319,7 +334,7 @@ class Table(RowProtocol):
     Returns:
       ``(table, handles)``, :class:`RowHandles` with fields of shape ``[*batch]``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxres as jr
       >>> t = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.float32)
       >>> t = t.insert(jnp.array([5]), jnp.array([0.5]))
@@ -402,7 +417,7 @@ class Table(RowProtocol):
         (padding in a fixed-shape batch).
       scores: as for :meth:`insert`.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxres as jr
       >>> t = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.float32)
       >>> t = t.insert_or_apply(jnp.array([1, 1, 2]), jnp.array([1.0, 2.0, 5.0]), jnp.add)
@@ -442,7 +457,7 @@ class Table(RowProtocol):
       values: value pytree with leaves ``[*batch, *value_shape]``.
       valid: optional ``bool[*batch]``; rows marked ``False`` are skipped.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxres as jr
       >>> t = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.float32)
       >>> t = t.insert(jnp.array([1]), jnp.array([1.0])).assign(jnp.array([1, 2]), jnp.array([5.0, 6.0]))
@@ -476,7 +491,7 @@ class Table(RowProtocol):
     holding no entry are ignored). Pass the same function object each call to
     avoid recompiling.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxres as jr
       >>> t = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.float32, eviction=jr.LRU())
       >>> for key in range(3):  # key k is inserted at clock k + 1
@@ -509,7 +524,7 @@ class Table(RowProtocol):
     hold none), so ``range(0, t.num_slots, size)`` streams every entry exactly
     once. ``size`` is static; ``offset`` may be traced.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxres as jr
       >>> t = jr.OpenAddressingTable.create(4, key=jnp.int32, value=jnp.float32)
       >>> t = t.insert(jnp.arange(4), jnp.arange(4.0))
@@ -568,7 +583,7 @@ class Table(RowProtocol):
     entry sits) where the storage places entries by slot (:attr:`slot_layout`
     is not ``None``): :meth:`placed` puts them back exactly there. O(capacity).
 
-    Example:
+    Examples:
       >>> import numpy as np, jaxres as jr
       >>> t = jr.SortedTable.create(8, key=np.int32, value=np.float32, default=0.0)
       >>> t.insert(np.array([3, 1], np.int32), np.ones(2, np.float32)).live_entries().keys

@@ -36,7 +36,7 @@ def admit(counts: Table, keys, words, candidates: jax.Array, min_count: int) -> 
   one at a time: an earlier row of the same id in the batch is not admitted.
   ``words`` are the keys' ``uint32[N, W]`` rows (for grouping the batch).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> counts = counter(8, jnp.int32)
     >>> ids = jnp.array([4, 5, 4, 4])

@@ -106,7 +106,8 @@ class DynamicEmbedding(nnx.Module):
     initializer: ``initializer(key, shape, dtype)``, as ``nnx.initializers``
       (default: ``normal(0.01)``).
     rngs: ``nnx.Rngs``; its ``params`` stream gives the seed of new rows.
-    mesh, axis: shard the table over this mesh axis (both or neither).
+    mesh: shard the table over ``axis`` of this mesh (give both or neither).
+    axis: the mesh axis the table is sharded over.
     admission_capacity: ids the admission count holds (default ``capacity``).
     deterministic: inference mode (NNX's convention, as ``nnx.Dropout``:
       ``model.eval()`` sets it, ``model.train()`` clears it): a lookup only
@@ -117,7 +118,7 @@ class DynamicEmbedding(nnx.Module):
       state starts afresh, as a new row's does. Without it such a
       checkpoint is a ``TypeError`` saying so.
 
-  Example:
+  Examples:
     >>> import numpy as np, optax, jaxres as jr
     >>> from flax import nnx
     >>> emb = jr.DynamicEmbedding(4, 2, optimizer=optax.sgd(1.0), rngs=nnx.Rngs(0))

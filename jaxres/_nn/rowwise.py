@@ -28,7 +28,7 @@ class RowOptimizer:
   :func:`structure_key`), so a model given a new but equal optimizer reuses
   its compiled steps.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, optax
     >>> opt = RowOptimizer.wrap(optax.sgd(0.5), features=2)
     >>> rows = jnp.ones((3, 2))
@@ -122,7 +122,7 @@ def structure_key(x, _seen: frozenset = frozenset()):
   their function and arguments, containers by their items, arrays by their contents, other
   objects by their own equality (identity, for most).
 
-  Example:
+  Examples:
     >>> import optax
     >>> structure_key(optax.adam(0.01)) == structure_key(optax.adam(0.01))
     True

@@ -6,7 +6,7 @@ entries through its public methods (:meth:`~jaxres.Table.live_entries`,
 :class:`~jaxres.ShardedTable` is written and read shard by shard, each process
 its own devices' shards (the functions below are registered for it).
 
-Example:
+Examples:
   >>> import numpy as np, jaxres as jr
   >>> from jaxres._persistence import table_arrays
   >>> empty = jr.SortedTable.create(8, key=np.int32, value=np.float32, default=0.0)

@@ -107,7 +107,12 @@ class Signature:
   a ``jax.ShapeDtypeStruct`` whose dimensions may be names: any size at call
   time. ``max_length``: the longest string (UTF-8 bytes) a string input takes.
 
-  Example:
+  Args:
+    fn: ``fn(obj, **inputs)``, a pure read of the saved object.
+    max_length: the longest string input, in UTF-8 bytes.
+    **inputs: each input's ``jax.ShapeDtypeStruct``, by name.
+
+  Examples:
     >>> import jax, jax.numpy as jnp, jaxres as jr
     >>> sig = jr.saved_model.Signature(lambda m, ids: ids, ids=jax.ShapeDtypeStruct(("batch",), jnp.int32))
     >>> sig.inputs

@@ -36,9 +36,10 @@ class KeyValueInitializer:
   Args:
     keys: 1-D integers or strings.
     values: 1-D values of the same length (numbers or strings).
-    key_dtype, value_dtype: optional dtypes to cast to (``str`` for strings).
+    key_dtype: optional dtype to cast the keys to (``str`` for strings).
+    value_dtype: optional dtype to cast the values to (``str`` for strings).
 
-  Example:
+  Examples:
     >>> import jaxres as jr
     >>> init = jr.KeyValueInitializer(["cat", "dog"], [0, 1])
     >>> jr.StaticHashTable(init, default_value=-1).find(["dog", "cow"]).tolist()
@@ -63,7 +64,13 @@ class KeyValueInitializer:
 
 
 class TextFileIndex(enum.IntEnum):
-  """Special column indices for :class:`TextFileInitializer`."""
+  """Special column indices for :class:`TextFileInitializer`.
+
+  Examples:
+    >>> import jaxres as jr
+    >>> int(jr.TextFileIndex.LINE_NUMBER), int(jr.TextFileIndex.WHOLE_LINE)
+    (-1, -2)
+  """
 
   WHOLE_LINE = -2
   LINE_NUMBER = -1
@@ -79,12 +86,14 @@ class TextFileInitializer:
 
   Args:
     filename: path of a UTF-8 text file.
-    key_dtype, value_dtype: ``str`` or an integer / float dtype.
-    key_index, value_index: where the key and the value of each line come from.
+    key_dtype: ``str`` or an integer dtype.
+    key_index: where the key of each line comes from.
+    value_dtype: ``str`` or an integer / float dtype.
+    value_index: where the value of each line comes from.
     delimiter: column separator.
     vocab_size: read only the first ``vocab_size`` lines (the file must have them).
 
-  Example:
+  Examples:
     >>> import pathlib, tempfile, numpy as np, jaxres as jr
     >>> path = pathlib.Path(tempfile.mkdtemp()) / "vocab.txt"
     >>> _ = path.write_text("the\\nquick\\nfox\\n")

@@ -55,6 +55,26 @@ class LookupTable(Resource):
 
   Checkpoints store the live entries only, as a functional table does (the
   two restore into each other), and restore into any capacity.
+
+  Args:
+    key_dtype: the key dtype, spec (composite keys) or ``str``.
+    value_dtype: a dtype, a pytree of dtypes or ``str``.
+    default_value: the value of missing keys.
+    initial_capacity: live entries before the first growth (with ``eviction``, the bound).
+    storage: ``"open_addressing"`` or ``"sorted"``.
+    device: optional ``jax.Device`` or sharding for the state.
+    max_key_length: for ``str`` keys, the longest key in UTF-8 bytes.
+    max_value_length: for ``str`` values, the longest value in UTF-8 bytes.
+    eviction: ``None`` or an eviction policy.
+
+  Examples:
+    >>> import numpy as np, jaxres as jr
+    >>> table = jr.MutableHashTable(np.int64, np.float32, default_value=0.0)
+    >>> isinstance(table, jr.LookupTable)
+    True
+    >>> table.insert(np.array([5]), np.array([2.5], np.float32))
+    >>> table[np.array([5, 6])].tolist(), table.contains(np.array([5, 6])).tolist()
+    ([2.5, 0.0], [True, False])
   """
 
   _checkpoint_kind = table_arrays.KIND

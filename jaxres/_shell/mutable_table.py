@@ -50,7 +50,7 @@ class MutableHashTable(LookupTable):
   With ``jax_enable_x64`` off, 64-bit integer keys and values are exact (NumPy
   arrays on the host); ``float64`` values are stored as ``float32``.
 
-  Example:
+  Examples:
     >>> import numpy as np, jaxres as jr
     >>> table = jr.MutableHashTable(np.int64, np.float32, default_value=-999.0)
     >>> table.insert(np.array([1, 2**40]), np.array([100.0, 200.0], np.float32))
@@ -143,7 +143,7 @@ class MutableHashTable(LookupTable):
     """:meth:`insert`, returning what left: the entry each key row's new key replaced (a bounded
     table evicts by its policy; a growing one never does), as host NumPy arrays.
 
-    Example:
+    Examples:
       >>> import numpy as np, jaxres as jr
       >>> t = jr.MutableHashTable(np.int64, np.float32, 0.0, initial_capacity=1, eviction=jr.LRU())
       >>> t.insert(np.array([1]), np.array([1.0], np.float32))
@@ -163,7 +163,7 @@ class MutableHashTable(LookupTable):
     that does not fit gets the default and is counted as lost (see the class
     doc). ``valid`` and ``scores`` as for :meth:`insert`.
 
-    Example:
+    Examples:
       >>> import numpy as np, jaxres as jr
       >>> rows = jr.MutableHashTable(np.int64, np.int32, default_value=-1)
       >>> rows.find_or_insert(np.array([7, 9, 7]), np.array([0, 1, 2], np.int32)).tolist()
@@ -183,7 +183,7 @@ class MutableHashTable(LookupTable):
     ``fn`` as for :meth:`jaxres.Table.insert_or_apply` (``jnp.add``: counting);
     ``valid`` and ``scores`` as for :meth:`insert`.
 
-    Example:
+    Examples:
       >>> import numpy as np, jax.numpy as jnp, jaxres as jr
       >>> counts = jr.MutableHashTable(np.int64, np.int32, default_value=0)
       >>> counts.insert_or_apply(np.array([5, 5, 6]), np.ones(3, np.int32), jnp.add)

@@ -53,7 +53,7 @@ class Resource(Trackable, nnx.Module):
     device: optional ``jax.Device`` or ``jax.sharding.Sharding``; the state
       is placed there on creation and on every assignment.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxres as jr
     >>> class DemoResource(jr.Resource):
     ...   def _create_resource(self):

@@ -25,7 +25,7 @@ class ResourceManager:
   * Entries are weak: a resource nobody references any more is dropped.
   * Thread-safe: racing requests for one name create exactly one resource.
 
-  Example:
+  Examples:
     >>> import jaxres as jr
     >>> mgr = jr.ResourceManager()
     >>> a = mgr.lookup_or_create("", "vocab", jr.AutoTrackable)
@@ -51,7 +51,7 @@ class ResourceManager:
     Raises:
       TypeError: a name is not a string, or the created object cannot be
         weakly referenced.
-      Whatever ``verify_fn`` raises for an incompatible existing resource.
+      Exception: whatever ``verify_fn`` raises for an incompatible existing resource.
     """
     key = (_check_name(container, "container"), _check_name(shared_name, "shared_name"))
     if not callable(create_fn):

@@ -35,7 +35,7 @@ class StaticHashTable(LookupTable):
   Raises:
     ValueError: the initializer holds the same key twice.
 
-  Example:
+  Examples:
     >>> import jaxres as jr
     >>> table = jr.StaticHashTable(jr.KeyValueInitializer([1, 2], ["one", "two"]), default_value="?")
     >>> table.find([2, 3]).tolist()
@@ -99,9 +99,11 @@ class StaticVocabularyTable(StaticHashTable):
   Args:
     initializer: keys (strings or integers) and their integer ids.
     num_oov_buckets: number of buckets for unknown keys (>= 1).
-    storage, device, max_key_length: as for :class:`StaticHashTable`.
+    storage: as for :class:`StaticHashTable`.
+    device: as for :class:`StaticHashTable`.
+    max_key_length: as for :class:`StaticHashTable`.
 
-  Example:
+  Examples:
     >>> import jaxres as jr
     >>> vocab = jr.StaticVocabularyTable(jr.KeyValueInitializer(["a", "b"], [0, 1]), num_oov_buckets=3)
     >>> ids, in_vocab = vocab.lookup(["b", "a", "zebra"])

@@ -51,7 +51,7 @@ class Trackable:
   for every built-in kind: when it raises, the object is left as it was (its
   arrays from before are restored) and the error names the object's path.
 
-  Example:
+  Examples:
     >>> import tempfile, numpy as np, jaxres as jr
     >>> class Tokenizer(jr.Trackable):
     ...   def __init__(self, words=()):
@@ -153,7 +153,7 @@ class AutoTrackable(Trackable):
   are not. Subclasses need not call ``super().__init__()``. An object attached
   under a path that a restore is waiting for is restored on attach.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxres as jr
     >>> root = jr.AutoTrackable()
     >>> root.step = jnp.array(7)

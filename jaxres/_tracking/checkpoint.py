@@ -41,7 +41,11 @@ class Checkpoint(AutoTrackable):
   entries, not with the capacity. An object reachable through several paths is
   saved once.
 
-  Example:
+  Args:
+    root: the object graph's root (``None``: the checkpoint itself is).
+    **children: objects set as attributes of the root, by name.
+
+  Examples:
     >>> import tempfile, numpy as np, jax.numpy as jnp, jaxres as jr
     >>> root = jr.AutoTrackable()
     >>> root.table = jr.MutableHashTable(np.int32, np.float32, default_value=0.0)
@@ -129,8 +133,8 @@ class Checkpoint(AutoTrackable):
         shape or dtype from its object (nothing is restored then).
       TypeError: an object is of another kind than the checkpoint holds at
         its path (nothing is restored then).
-      Whatever an object's ``_restore_from_arrays`` raises, with its path
-      (nothing is restored then).
+      Exception: whatever an object's ``_restore_from_arrays`` raises, with
+        its path (nothing is restored then).
     """
     directory = orbax_io.absolute_path(path)
     if processes.is_primary():

@@ -25,7 +25,7 @@ class CheckpointManager:
     checkpoint: the :class:`Checkpoint` to save and restore.
     max_to_keep: keep only this many newest steps (``None``: keep all).
 
-  Example:
+  Examples:
     >>> import tempfile, jax.numpy as jnp, jaxres as jr
     >>> root = jr.AutoTrackable()
     >>> root.step = jnp.array(0)

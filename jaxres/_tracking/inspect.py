@@ -14,7 +14,14 @@ def inspect_checkpoint(path) -> list[dict]:
   ``type`` (its class), and ``arrays``: a list of ``{"name", "shape",
   "dtype"}``. An alias entry names the path it shares (``of``).
 
-  Example:
+  Args:
+    path: a checkpoint directory (``Checkpoint.save``'s, or a
+      ``CheckpointManager`` step's).
+
+  Returns:
+    The entries, sorted by path.
+
+  Examples:
     >>> import tempfile, jax.numpy as jnp, jaxres as jr
     >>> root = jr.AutoTrackable()
     >>> root.step = jnp.array(3)

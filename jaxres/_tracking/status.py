@@ -45,6 +45,19 @@ class LoadStatus:
   fault and otherwise returns the status, so calls can be chained. Objects
   attached later under a pending path are restored then, and the status
   follows.
+
+  Attributes:
+    pending: the program paths still waiting for an object to be attached.
+
+  Examples:
+    >>> import tempfile, jax.numpy as jnp, jaxres as jr
+    >>> root = jr.AutoTrackable()
+    >>> root.step = jnp.array(3)
+    >>> path = jr.Checkpoint(model=root).save(tempfile.mkdtemp() + "/ckpt")
+    >>> status = jr.Checkpoint(model=jr.AutoTrackable()).restore(path)
+    >>> status.pending
+    ['model/step']
+    >>> _ = status.expect_partial()
   """
 
   def __init__(self, reader: Reader, ledger: Ledger):

@@ -44,7 +44,7 @@ class ClickStream:
   ``batch(step)`` depends on ``(seed, step)`` alone, so a restarted run sees
   the same data as an uninterrupted one.
 
-  Example:
+  Examples:
     >>> from jaxres.examples import ClickStream
     >>> stream = ClickStream(batch_size=4, num_fields=3, seed=0)
     >>> batch = stream.batch(0)
@@ -86,7 +86,7 @@ class ClickModel(nnx.Module):
     eviction: the embedding's eviction policy.
     min_count: occurrences an id needs to get a row.
 
-  Example:
+  Examples:
     >>> import optax, jaxres as jr
     >>> from flax import nnx
     >>> from jaxres.examples import ClickModel, ClickStream

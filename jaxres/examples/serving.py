@@ -29,7 +29,7 @@ def evaluate(model: ClickModel, stream: ClickStream, steps: range) -> float:
   (unseen ids read zeros) and change nothing, neither rows nor counters. The
   model is back in training mode afterwards.
 
-  Example:
+  Examples:
     >>> import optax, jaxres as jr
     >>> from flax import nnx
     >>> from jaxres.examples import ClickModel, ClickStream, evaluate

@@ -35,7 +35,7 @@ def prefix_sum(x: jax.Array) -> jax.Array:
 
   A kernel on CPU, where XLA's cumsum costs about 17 ns a row.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> prefix_sum(jnp.array([True, False, True])).tolist()
     [1, 1, 2]
@@ -82,7 +82,7 @@ def owner_per_key(words: jax.Array, mask: jax.Array, last: bool = False) -> jax.
 
   ``words`` is ``uint32[N, W]``. Unmasked rows get their own index.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> words = jnp.array([[1, 2], [3, 4], [1, 2], [1, 2]], jnp.uint32)
     >>> mask = jnp.array([True, True, True, False])
@@ -120,7 +120,7 @@ def owner_per_slot(slot: jax.Array, mask: jax.Array, last: bool = False) -> jax.
 
   Unmasked rows get their own index.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> slot, mask = jnp.array([4, 9, 4, 4]), jnp.array([True, True, True, False])
     >>> owner_per_slot(slot, mask).tolist(), owner_per_slot(slot, mask, last=True).tolist()
@@ -132,7 +132,7 @@ def owner_per_slot(slot: jax.Array, mask: jax.Array, last: bool = False) -> jax.
 def first_per_slot(slot: jax.Array, mask: jax.Array, last: bool = False) -> jax.Array:
   """bool[N]: the first (or ``last``) masked row of each distinct ``slot``.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> slot, mask = jnp.array([4, 9, 4, 4]), jnp.array([True, True, True, False])
     >>> first_per_slot(slot, mask).tolist(), first_per_slot(slot, mask, last=True).tolist()

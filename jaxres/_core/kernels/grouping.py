@@ -76,7 +76,7 @@ def group_sums(group_of: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]
   reproducible on every backend. On CPU a kernel (``jaxres_group_sums``)
   computes the same sums.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> groups, sums = group_sums(jnp.array([7, 2, 7, -1, 7]), jnp.array([1.0, 2.0, 4.0, 8.0, 16.0]))
     >>> groups.tolist(), sums.tolist()

@@ -9,7 +9,7 @@ traced nor lowered, so a first call compiles sooner). Without a compiler
 at install time, or with ``JAXRES_KERNELS=0`` in the environment, every
 backend runs the references.
 
-Example:
+Examples:
   >>> from jaxres._core.kernels import native
   >>> isinstance(native.ENABLED, bool)
   True

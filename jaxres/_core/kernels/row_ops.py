@@ -28,7 +28,7 @@ def read_rows(leaves, index) -> tuple[list, list]:
   array back as its own output (unchanged, aliased); elsewhere this is
   :func:`take_rows`.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> leaves, rows = read_rows([jnp.arange(6.0).reshape(3, 2)], jnp.array([2, 0]))
     >>> rows[0].tolist(), leaves[0].shape
@@ -56,7 +56,7 @@ def write_rows(leaves, index, rows, mask) -> list:
   last row of each index is found first (:func:`claims.first_per_slot`), so
   that one scatter with distinct indices does the writes.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> rows, mask = [jnp.array([1.0, 2.0, 3.0])], jnp.array([True, True, True])
     >>> leaves = write_rows([jnp.zeros(3)], jnp.array([2, 0, 2]), rows, mask)

@@ -34,7 +34,7 @@ def shard_capacity_for(capacity: int, num_shards: int) -> int:
   overflow a one-in-a-billion event. How *often* keys occur (a Zipf stream)
   does not matter: only distinct keys take room.
 
-  Example:
+  Examples:
     >>> shard_capacity_for(1 << 20, 8), shard_capacity_for(16, 8)
     (133245, 11)
   """
@@ -121,7 +121,7 @@ def round_rows(per_device: int, num_shards: int) -> tuple[int, int]:
   The first round's bytes stay within 2x of the rows' own whenever the mean is
   at least 9 rows.
 
-  Example:
+  Examples:
     >>> round_rows(512, 8), round_rows(2048, 2), round_rows(3, 8)
     ((88, 22), (1120, 280), (3, 1))
   """

@@ -56,7 +56,7 @@ class ShardedTable(Table):
   unsharded table of the storage it is built from, under ``jit`` too (not
   under ``vmap``). Create one with :meth:`create`.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, jaxres as jr
     >>> mesh = jax.make_mesh((jax.device_count(),), ("shard",))
     >>> t = jr.ShardedTable.create(mesh, "shard", capacity=64, key=jnp.int32, value=jnp.float32)
@@ -95,7 +95,9 @@ class ShardedTable(Table):
         replicas.
       axis: the mesh axis the entries are partitioned over.
       capacity: static total number of distinct keys the table is sized for.
-      key, value, default: as for the storage's ``create``.
+      key: the key dtype or spec, as for the storage's ``create``.
+      value: the value dtype, spec or pytree, as for the storage's ``create``.
+      default: the value of missing keys, as for the storage's ``create``.
       storage: the table class of each shard, :class:`OpenAddressingTable`
         (default) or :class:`SortedTable`.
       shard_capacity: entries each shard holds; defaults to

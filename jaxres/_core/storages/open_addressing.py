@@ -55,7 +55,7 @@ class OpenAddressingTable(Storage):
   Create one with :meth:`create`; every method returns a new table (see
   :class:`Table` for the full method list and batch semantics).
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, jaxres as jr
     >>> t = jr.OpenAddressingTable.create(
     ...   capacity=1024, key=jnp.int32, value=jax.ShapeDtypeStruct((2,), jnp.float32), default=0.0
@@ -440,7 +440,7 @@ class Claim(NamedTuple):
 def line_slots(num_words: int) -> int:
   """Slots per bucket such that a record (keys, mask, overflow count, rows) fits one 64-byte line.
 
-  Example:
+  Examples:
     >>> line_slots(1), line_slots(2), line_slots(3)
     (7, 4, 3)
   """

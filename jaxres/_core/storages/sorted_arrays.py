@@ -49,7 +49,7 @@ class SortedTable(Storage):
   :class:`Table`); lookups cost O(log capacity) per key, storage is exactly
   ``capacity`` rows, and :meth:`export` returns entries in key order.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxres as jr
     >>> t = jr.SortedTable.create(capacity=4096, key=jnp.int32, value=jnp.float32, default=-1.0)
     >>> t = t.insert(jnp.array([30, 10, 20]), jnp.array([3.0, 1.0, 2.0]))
@@ -238,7 +238,7 @@ def read_only(table: Table) -> SortedTable:
   least 1), with the same keys, values and default, and no eviction policy,
   scores or counters: what a served model reads. O(capacity), eager.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxres as jr
     >>> t = jr.OpenAddressingTable.create(1024, key=jnp.int32, value=jnp.float32, default=-1.0)
     >>> small = read_only(t.insert(jnp.array([7, 3]), jnp.array([0.5, 1.5])))
