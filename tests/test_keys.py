@@ -91,9 +91,9 @@ def test_float64_values_follow_jax_precision():
 _X64_SELECTIONS = {
   "tables": [
     "test_keys.py",
-    "test_table.py::test_random_operations_match_dict[int64-OpenAddressingTable]",
-    "test_table.py::test_random_operations_match_dict[uint64-SortedTable]",
-    "test_table.py::test_random_operations_match_dict[pair_int64-OpenAddressingTable]",
+    "test_table.py::test_random_operations_match_dict[kernels-int64-OpenAddressingTable]",
+    "test_table.py::test_random_operations_match_dict[kernels-uint64-SortedTable]",
+    "test_table.py::test_random_operations_match_dict[references-pair_int64-OpenAddressingTable]",
     "test_mutable_table.py::test_seed_dtype_combinations",
     "test_static_tables.py::test_vocabulary_with_integer_keys_inside_jit",
   ],
