@@ -547,7 +547,7 @@ SHELL_CALLS = [
   (
     "checkpoint",
     "restore from a file",
-    lambda c: c.restore(os.path.join(c.path, "manifest.json")),
+    lambda c: c.restore(os.path.join(c.path, "manifest", "metadata")),
     ValueError,
     "not a jaxres checkpoint",
   ),

@@ -125,7 +125,7 @@ def test_names_with_dots_and_slashes_never_collide(tmp_path):
   setattr(root, "a/b", jnp.array(3))
   root.tree = {"a.b": jnp.array(4), "a": {"b": jnp.array(5)}}
   path = jr.Checkpoint(model=root).save(tmp_path / "ckpt")
-  nodes = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["nodes"]
+  nodes = json.loads((tmp_path / "ckpt" / "manifest" / "metadata").read_text())["nodes"]
   assert {"model/a%2Eb", "model/a/b", "model/a%2Fb"} <= set(nodes)
   fresh = jr.AutoTrackable()
   for name in ("a.b", "a/b"):
@@ -143,7 +143,7 @@ def test_shared_objects_are_saved_once(tmp_path):
   root.first = root.second = _table()
   root.first.insert(["x"], np.array([1.0], np.float32))
   path = jr.Checkpoint(model=root).save(tmp_path / "ckpt")
-  nodes = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["nodes"]
+  nodes = json.loads((tmp_path / "ckpt" / "manifest" / "metadata").read_text())["nodes"]
   assert nodes["model/second"] == {"alias": "model/first"}
   same = jr.AutoTrackable()
   same.first = same.second = _table()
@@ -174,7 +174,7 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
   with pytest.raises(ValueError, match="not a jaxres checkpoint"):
     jr.Checkpoint(model=jr.AutoTrackable()).restore(tmp_path)
   path = jr.Checkpoint(model=_build()).save(tmp_path / "ckpt")
-  manifest = tmp_path / "ckpt" / "manifest.json"
+  manifest = tmp_path / "ckpt" / "manifest" / "metadata"
   data = json.loads(manifest.read_text())
   for version, match in ((99, "newer"), (1, "format version 1 was written by an earlier jaxres")):
     data["version"] = version

@@ -179,7 +179,7 @@ def _split_graph():
 
 def test_a_shared_object_is_saved_once(tmp_path):
   _save(tmp_path, root=_shared_graph())
-  nodes = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["nodes"]
+  nodes = json.loads((tmp_path / "ckpt" / "manifest" / "metadata").read_text())["nodes"]
   assert nodes["dep_two/dep_three/x"] == {"alias": "dep_one/x"}
   assert "dep_two/dep_three/x/var" not in nodes
 
@@ -443,7 +443,7 @@ def test_attributes_set_on_a_checkpoint_with_a_root_go_to_the_root(tmp_path):
 )
 def test_a_damaged_object_graph_is_a_value_error(tmp_path, edit, match):
   path = _save(tmp_path, model=_holder(step=jnp.array(1)))
-  manifest_path = tmp_path / "ckpt" / "manifest.json"
+  manifest_path = tmp_path / "ckpt" / "manifest" / "metadata"
   manifest = json.loads(manifest_path.read_text())
   edit(manifest["nodes"])
   manifest_path.write_text(json.dumps(manifest))

@@ -105,7 +105,7 @@ def test_flipped_bytes_in_an_array_file(saved):
 
 def test_deleted_or_garbled_manifest(saved):
   path, _ = saved
-  manifest = pathlib.Path(path, "manifest.json")
+  manifest = pathlib.Path(path, "manifest", "metadata")
   manifest.write_text(manifest.read_text()[:100])
   _restore_fails(path, ValueError, "corrupted manifest")
   manifest.unlink()
@@ -114,7 +114,7 @@ def test_deleted_or_garbled_manifest(saved):
 
 def test_newer_format_version(saved):
   path, _ = saved
-  manifest = pathlib.Path(path, "manifest.json")
+  manifest = pathlib.Path(path, "manifest", "metadata")
   data = json.loads(manifest.read_text())
   data["version"] += 1
   manifest.write_text(json.dumps(data))
@@ -185,7 +185,7 @@ def test_writes_still_in_flight_after_a_failed_save_leave_nothing_behind(saved, 
   path, _ = saved
   stragglers = []
 
-  def failing_save(directory, arrays):
+  def failing_save(directory, manifest, arrays):
     def late_write():
       time.sleep(0.1)  # after the save has failed and begun to clean up
       os.makedirs(os.path.join(directory, "arrays", "d"), exist_ok=True)
@@ -195,7 +195,7 @@ def test_writes_still_in_flight_after_a_failed_save_leave_nothing_behind(saved, 
     stragglers[-1].start()
     raise ValueError("OUT_OF_RANGE: File too large")
 
-  monkeypatch.setattr(jr._tracking.orbax_io, "save_arrays", failing_save)
+  monkeypatch.setattr(jr._tracking.orbax_io, "write", failing_save)
   with pytest.raises(OSError, match="could not write the checkpoint"):
     jr.Checkpoint(model=_graph(4)).save(path)
   stragglers[0].join()

@@ -103,7 +103,7 @@ copies.table = jr.ShardedTable.create(replicas, "shard", 600, key=jnp.int64, val
 jr.Checkpoint(model=copies).restore(path + "/replicas").assert_consumed()
 jr.Checkpoint(model=copies).save(path + "/replicas_again")
 
-contents = json.load(open(path + "/ckpt/manifest.json"))
+contents = json.load(open(path + "/ckpt/manifest/metadata"))
 key = contents["nodes"]["model/table"]["arrays"]["blocks/keys"]
 blocks = orbax_io.load_arrays(path + "/ckpt", contents["arrays"])[key]
 print(json.dumps({
@@ -219,10 +219,10 @@ def test_two_processes_save_together_and_restore_onto_other_meshes(tmp_path):
   assert int(later.table.clock) == clock
 
   # A shard whose bytes differ from its checksum: a ValueError naming the checkpoint, nothing changed.
-  manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+  manifest = json.loads((tmp_path / "ckpt" / "manifest" / "metadata").read_text())
   key = manifest["nodes"]["model/table"]["arrays"]["blocks/keys"]
   manifest["arrays"][key]["crc32"][5] ^= 1
-  (tmp_path / "ckpt" / "manifest.json").write_text(json.dumps(manifest))
+  (tmp_path / "ckpt" / "manifest" / "metadata").write_text(json.dumps(manifest))
   before = entries(later.table)
   with pytest.raises(ValueError, match=f"{tmp_path / 'ckpt'}: array {key} is corrupted"):
     jr.Checkpoint(model=later).restore(tmp_path / "ckpt")

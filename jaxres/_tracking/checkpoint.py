@@ -1,11 +1,15 @@
 """``Checkpoint``: save an object graph to one directory, restore it, possibly later.
 
-A checkpoint directory holds ``manifest.json`` (see :mod:`manifest`) and the
-arrays, written by Orbax. Saving writes to a temporary directory and renames
-it into place, so an interrupted save never replaces a complete checkpoint.
-With several processes, all save and restore together: each writes its own
-shards of row-split arrays (see :mod:`orbax_io`), and process 0 writes the
-manifest and renames the directory once every process has written.
+A checkpoint directory holds two Orbax items, the manifest (see :mod:`manifest`)
+and the arrays, as a ``CheckpointManager`` step does: one layout, one writer
+(:func:`orbax_io.write`). Orbax commits a save atomically to a new directory
+beside ``path``, which then takes ``path``'s place (the one step Orbax has
+no atomic form of: an old checkpoint is retired first and put back if a save
+is killed in between), so an interrupted save never replaces a complete
+checkpoint. With several processes, all save and restore together: each
+writes its own shards of row-split arrays (see :mod:`orbax_io`), and process
+0 writes the manifest and moves the directory once every process has written.
+Checkpoints written before (``manifest.json`` beside the arrays) restore too.
 Restoring (see :mod:`restoring`) matches checkpointed paths with the objects
 that exist now and restores them at once; a path whose object does not exist
 yet is restored the moment an object is attached there.
@@ -107,9 +111,7 @@ class Checkpoint(AutoTrackable):
     staging = _staging(path)
     try:
       try:
-        orbax_io.save_arrays(staging, arrays)
-        if processes.is_primary():
-          manifest.write(staging, contents)
+        orbax_io.write(staging, contents, arrays)  # exists only complete: Orbax's atomic commit
       except Exception as err:  # Orbax reports write errors as ValueError
         raise OSError(f"{path}: could not write the checkpoint, nothing was replaced ({err}).") from err
       processes.barrier("jaxres: checkpoint written")
@@ -140,7 +142,7 @@ class Checkpoint(AutoTrackable):
     if processes.is_primary():
       _recover(directory)
     processes.barrier("jaxres: checkpoint recovered")
-    contents = manifest.read(directory)
+    contents = manifest.check(orbax_io.read_manifest(directory), directory)
     arrays = orbax_io.load_arrays(directory, contents["arrays"])
     return restoring.restore(self._root, manifest.Reader(contents, arrays, directory))
 
@@ -152,13 +154,13 @@ def collect(root: Any) -> tuple[dict, dict]:
 
 
 def _staging(path: str) -> str:
-  """A new directory beside ``path`` that this save writes to (made by process 0, named alike on all)."""
+  """A new path beside ``path`` that this save's checkpoint is committed to (named alike on every
+  process), before it takes ``path``'s place."""
   parent, name = os.path.split(path)
   staging = os.path.join(parent, f".{name}.saving-{processes.agreed(secrets.randbelow(2**31))}")
   if processes.is_primary():
     os.makedirs(parent, exist_ok=True)
     _recover(path)
-    os.mkdir(staging)
   processes.barrier("jaxres: checkpoint staged")
   return staging
 
@@ -175,17 +177,20 @@ def _replace_dir(staging: str, path: str) -> None:
 
 
 def _discard(staging: str, settle: float = 0.2, patience: float = 10.0) -> None:
-  """Removes a failed save's ``staging`` directory until it stays gone for ``settle`` seconds.
+  """Removes what a failed save wrote (``staging``, and Orbax's temporary directories beside it)
+  until it stays gone for ``settle`` seconds.
 
   Orbax reports the first failed write while the others may still be in
-  flight, and those recreate their files; so the directory is removed again
-  until no write brings it back (or ``patience`` seconds have passed).
+  flight, and those recreate their files; so the directories are removed again
+  until no write brings them back (or ``patience`` seconds have passed).
   """
   deadline = time.monotonic() + patience
   while True:
-    shutil.rmtree(staging, ignore_errors=True)
+    written = glob.glob(glob.escape(staging) + "*")
+    for directory in written:
+      shutil.rmtree(directory, ignore_errors=True)
     time.sleep(settle)
-    if not os.path.exists(staging) or time.monotonic() > deadline:
+    if not glob.glob(glob.escape(staging) + "*") or time.monotonic() > deadline:
       return
 
 

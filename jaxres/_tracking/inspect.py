@@ -31,7 +31,8 @@ def inspect_checkpoint(path) -> list[dict]:
     >>> jr.inspect_checkpoint(path)[2]["arrays"]
     [{'name': 'value', 'shape': [], 'dtype': 'int32'}]
   """
-  contents = manifest.read(orbax_io.absolute_path(path))
+  directory = orbax_io.absolute_path(path)
+  contents = manifest.check(orbax_io.read_manifest(directory), directory)
   specs = contents["arrays"]
   entries = []
   for node_path, node in sorted(contents["nodes"].items()):

@@ -13,8 +13,6 @@ saved once: that path's node is ``{"alias": "<first path>"}``.
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 import numpy as np
@@ -23,8 +21,6 @@ from jaxres._persistence import processes
 from jaxres._persistence.processes import Blocks
 from jaxres._tracking import paths
 
-MANIFEST = "manifest.json"
-STEP_MANIFEST = os.path.join("manifest", "metadata")  # a CheckpointManager step's (Orbax's JSON item)
 FORMAT = "jaxres.checkpoint"
 VERSION = 2
 
@@ -32,32 +28,6 @@ VERSION = 2
 def build(nodes: dict[str, dict], specs: dict[str, dict]) -> dict:
   """A manifest from the graph's nodes and the specs of its arrays."""
   return {"format": FORMAT, "version": VERSION, "nodes": nodes, "arrays": specs}
-
-
-def write(directory: str, manifest: dict) -> None:
-  """Writes ``manifest`` into a checkpoint directory, synced to disk (read back by :func:`read`)."""
-  with open(os.path.join(directory, MANIFEST), "w", encoding="utf-8") as f:
-    json.dump(manifest, f)
-    f.flush()
-    os.fsync(f.fileno())
-
-
-def read(directory: str) -> dict:
-  """The manifest of a checkpoint directory, checked (see :func:`check`): a ``Checkpoint.save``
-  directory, or a ``CheckpointManager`` step (whose manifest is Orbax's JSON item)."""
-  path = os.path.join(directory, MANIFEST)
-  if not os.path.exists(path) and os.path.isfile(os.path.join(directory, STEP_MANIFEST)):
-    path = os.path.join(directory, STEP_MANIFEST)
-  try:
-    with open(path, encoding="utf-8") as f:
-      manifest = json.load(f)
-  except (FileNotFoundError, NotADirectoryError):
-    raise ValueError(
-      f"{directory}: not a jaxres checkpoint (no {MANIFEST}, nor a CheckpointManager step's {STEP_MANIFEST})."
-    ) from None
-  except json.JSONDecodeError as err:
-    raise ValueError(f"{path}: corrupted manifest ({err}).") from None
-  return check(manifest, path)
 
 
 def check(manifest: Any, label: str) -> dict:

@@ -15,8 +15,10 @@ host holds all of it. Other arrays are written once and read by every process.
 
 from __future__ import annotations
 
+import json
 import os
 import zlib
+from typing import Any
 
 import jax
 import numpy as np
@@ -26,6 +28,8 @@ from jaxres._persistence import processes
 from jaxres._persistence.processes import Blocks
 
 ARRAYS_DIR = "arrays"
+MANIFEST_ITEM = "manifest"  # Orbax's JSON item: manifest/metadata
+LEGACY_MANIFEST = "manifest.json"  # where checkpoints written before kept it
 
 
 def absolute_path(path, name: str = "path") -> str:
@@ -59,17 +63,45 @@ def _checksum(array: np.ndarray) -> int:
   return zlib.crc32(np.ascontiguousarray(array))
 
 
-def save_arrays(directory: str, arrays: dict[str, np.ndarray | jax.Array]) -> None:
-  """Writes the non-empty ``arrays`` under ``directory/arrays``."""
-  stored = {key: value for key, value in arrays.items() if value.size}
-  if not stored:
-    return
-  checkpointer = ocp.StandardCheckpointer()
+def write(directory: str, manifest: dict, arrays: dict[str, np.ndarray | jax.Array]) -> None:
+  """Writes a checkpoint to the new ``directory`` on Orbax's atomic commit: the manifest (Orbax's
+  JSON item ``manifest``) and the non-empty ``arrays`` (item ``arrays``) go to a temporary directory
+  that is renamed to ``directory`` once all is written (by every process), so ``directory`` exists
+  only complete. The same items as a :class:`StepStore` step's.
+  """
+  checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
   try:
-    checkpointer.save(os.path.join(os.path.abspath(directory), ARRAYS_DIR), stored)
-    checkpointer.wait_until_finished()
+    checkpointer.save(os.path.abspath(directory), args=ocp.args.Composite(**_items(manifest, arrays)))
   finally:
     checkpointer.close()
+
+
+def _items(manifest: dict, arrays: dict[str, np.ndarray | jax.Array]) -> dict:
+  """The Orbax items of a checkpoint: the manifest, and the arrays that are not empty."""
+  items = {MANIFEST_ITEM: ocp.args.JsonSave(manifest)}
+  stored = {key: value for key, value in arrays.items() if value.size}
+  if stored:
+    items[ARRAYS_DIR] = ocp.args.StandardSave(stored)
+  return items
+
+
+def read_manifest(directory: str) -> Any:
+  """The manifest a checkpoint directory holds, as JSON (unchecked): Orbax's JSON item, or the
+  ``manifest.json`` of a checkpoint written before checkpoints were Orbax items.
+
+  Raises:
+    ValueError: no manifest, or one that is not JSON.
+  """
+  path = os.path.join(directory, MANIFEST_ITEM, "metadata")
+  if not os.path.isfile(path) and os.path.exists(os.path.join(directory, LEGACY_MANIFEST)):
+    path = os.path.join(directory, LEGACY_MANIFEST)
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except (FileNotFoundError, NotADirectoryError):
+    raise ValueError(f"{directory}: not a jaxres checkpoint (no manifest).") from None
+  except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    raise ValueError(f"{path}: corrupted manifest ({err}).") from None
 
 
 def load_arrays(directory: str, specs: dict[str, dict]) -> dict[str, np.ndarray | Blocks]:
@@ -154,12 +186,8 @@ class StepStore:
     self._manager = ocp.CheckpointManager(os.path.abspath(directory), options=options)
 
   def save(self, step: int, manifest: dict, arrays: dict[str, np.ndarray | jax.Array]) -> None:
-    items = {"manifest": ocp.args.JsonSave(manifest)}
-    stored = {key: value for key, value in arrays.items() if value.size}
-    if stored:
-      items["arrays"] = ocp.args.StandardSave(stored)
     try:
-      self._manager.save(step, args=ocp.args.Composite(**items))
+      self._manager.save(step, args=ocp.args.Composite(**_items(manifest, arrays)))
     except Exception as err:
       raise OSError(f"{self._label(step)}: could not save this step ({err}).") from err
 
