@@ -486,3 +486,15 @@ def test_kernels_on_and_off_leave_identical_tables(tmp_path):
   assert on["i32/counts"][0] > 250  # the tables filled up: dropped keys and full buckets were exercised
   assert on["i32/counts"][1] > 0
   assert on["lru/counts"][2] > 0 and on["lfu/counts"][2] > 0  # full tables evicted
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_a_cpu_process_exports_table_calls_for_other_platforms(platform):
+  """The kernel or its reference is chosen when a program is lowered, so this CPU-only process
+  exports a table call for another platform with no kernel in it."""
+  table = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.float32)
+  keys = jnp.arange(4, dtype=jnp.int32)
+  step = jax.jit(lambda t, k: t.find_or_insert(k, k * 1.0)[1])
+  step(table, keys)  # traced and compiled for this CPU first
+  exported = jax.export.export(step, platforms=[platform])(table, keys)
+  assert "jaxres_" not in exported.mlir_module()

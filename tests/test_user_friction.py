@@ -7,6 +7,7 @@ surprises (a checkpoint keyword replacing an attribute, ``assign`` on a
 """
 
 import operator
+import os
 
 import jax
 import jax.numpy as jnp
@@ -400,3 +401,83 @@ def test_7_tables_in_an_nnx_module_go_in_an_nnx_list(tmp_path):
   fresh = Model()
   jr.Checkpoint(model=fresh).restore(path).assert_consumed()
   assert [t.find(np.array([1])).tolist() for t in fresh.tables] == [[0.0], [1.0]]
+
+
+# ------------------------------------------------------- found in review
+
+
+def test_6_an_optimizer_closing_over_an_unhashable_object_still_compiles():
+  import optax
+  from flax import nnx
+
+  class Box:
+    __hash__ = None  # unhashable, compared by identity
+
+    def __init__(self, rate):
+      self.rate = rate
+
+  box = Box(0.1)
+
+  def scaled():
+    return optax.GradientTransformation(
+      lambda params: optax.EmptyState(), lambda updates, state, params=None: (-box.rate * updates, state)
+    )
+
+  emb = jr.DynamicEmbedding(16, 2, optimizer=scaled(), rngs=nnx.Rngs(0))
+  ids = jr.keys.split64(np.array([1, 2]))
+
+  @nnx.jit
+  def step(emb, ids):
+    rows = emb(ids)
+    emb.apply_gradients(ids, jnp.ones_like(rows))
+    return rows
+
+  before = step(emb, ids)
+  np.testing.assert_allclose(np.asarray(emb(ids)), np.asarray(before) - 0.1, rtol=1e-6)
+
+
+def test_3_rows_of_another_width_are_not_blamed_on_the_optimizer(tmp_path):
+  import optax
+  from flax import nnx
+
+  def model(features, **kwargs):
+    module = nnx.Module()
+    module.emb = jr.DynamicEmbedding(16, features, optimizer=optax.adam(0.1), rngs=nnx.Rngs(0), **kwargs)
+    return module
+
+  trained = model(4)
+  trained.emb(np.array([1, 2]))
+  path = jr.Checkpoint(model=trained).save(tmp_path / "ckpt")
+  for option in (False, True):
+    with pytest.raises((TypeError, ValueError)) as err:
+      jr.Checkpoint(model=model(8, restore_rows_only=option)).restore(path)
+    assert "another row optimizer" not in str(err.value) and "model/emb/table" in str(err.value)
+
+
+@pytest.mark.skipif(
+  jax.config.read("jax_enable_x64"), reason="64-bit values are exact JAX values with x64 on"
+)
+def test_1_stateful_insert_or_apply_refuses_64_bit_values_it_would_add_as_word_pairs():
+  counts = jr.MutableHashTable(np.int64, np.int64, default_value=0)
+  counts.insert(np.array([1]), np.array([-1]))
+  with pytest.raises(TypeError, match="word pairs"):
+    counts.insert_or_apply(np.array([1]), np.array([1]), jnp.add)
+  assert counts.find(np.array([1])).tolist() == [-1]
+
+
+def test_8_a_failed_save_removes_only_its_own_directories(tmp_path, monkeypatch):
+  """Another save of the same path (a longer staging name) keeps its directory."""
+  others = []
+
+  def failing_write(directory, manifest, arrays):
+    others.append(directory + "7")  # the staging directory of another save of the same path
+    os.makedirs(others[-1])
+    os.makedirs(directory + jr._tracking.orbax_io.TEMPORARY_SUFFIX)  # what Orbax began
+    raise ValueError("OUT_OF_RANGE: File too large")
+
+  monkeypatch.setattr(jr._tracking.orbax_io, "write", failing_write)
+  root = jr.AutoTrackable()
+  root.step = jnp.array(1)
+  with pytest.raises(OSError, match="could not write the checkpoint"):
+    jr.Checkpoint(model=root).save(tmp_path / "ckpt")
+  assert sorted(os.listdir(tmp_path)) == [os.path.basename(others[0])]

@@ -29,8 +29,8 @@ _ROW = re.compile(r"(.*)values/row")
 def trained_with_another_optimizer(arrays, optimizer: RowOptimizer) -> bool:
   """Whether ``arrays`` are an embedding table's with other per-row optimizer state than ``optimizer``'s."""
   rows = [name for name in arrays if _ROW.fullmatch(name)]
-  if not rows:
-    return False
+  if not rows or any(tuple(arrays[n].shape)[-1:] != (optimizer.features,) for n in rows):
+    return False  # not an embedding's rows, or rows of another width: not an optimizer's doing
   want = [(s.shape, np.dtype(s.dtype)) for s in optimizer.slots]
   for prefix in {_ROW.fullmatch(name)[1] for name in rows}:
     slots = sorted((n for n in arrays if _SLOT.fullmatch(n) and _SLOT.fullmatch(n)[1] == prefix), key=_index)

@@ -150,8 +150,21 @@ def structure_key(x, _seen: frozenset = frozenset()):
   try:
     hash(x)
   except TypeError:
-    return ("object", id(x), x)  # unhashable: by identity (kept alive with the key)
+    return ("object", _Identity(x))  # unhashable: by identity (kept alive with the key)
   return ("value", type(x), x)
+
+
+class _Identity:
+  """An object compared and hashed by identity (for one that cannot be hashed)."""
+
+  def __init__(self, obj):
+    self.obj = obj
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, _Identity) and other.obj is self.obj
+
+  def __hash__(self) -> int:
+    return id(self.obj)
 
 
 _EMPTY = object()  # the contents of a closure cell not assigned yet

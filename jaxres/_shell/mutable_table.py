@@ -192,6 +192,11 @@ class MutableHashTable(LookupTable):
     """
     if self._value_codec.is_string:
       raise TypeError("fn: a table of str values cannot apply fn to them; use insert.")
+    if any(leaf.wide for leaf in self.state.value_spec.leaves):
+      raise TypeError(
+        "fn: with jax_enable_x64 off, 64-bit integer values reach fn as uint32 word pairs, on which "
+        "arithmetic is not 64-bit arithmetic; use int32 values, or enable jax_enable_x64."
+      )
     self._write(Table.insert_or_apply, keys, values, fn=fn, valid=valid, scores=scores)
 
   def assign(self, keys, values, valid=None) -> None:

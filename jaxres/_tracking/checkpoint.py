@@ -186,12 +186,16 @@ def _discard(staging: str, settle: float = 0.2, patience: float = 10.0) -> None:
   """
   deadline = time.monotonic() + patience
   while True:
-    written = glob.glob(glob.escape(staging) + "*")
-    for directory in written:
+    for directory in _written(staging):
       shutil.rmtree(directory, ignore_errors=True)
     time.sleep(settle)
-    if not glob.glob(glob.escape(staging) + "*") or time.monotonic() > deadline:
+    if not _written(staging) or time.monotonic() > deadline:
       return
+
+
+def _written(staging: str) -> list[str]:
+  """``staging`` and Orbax's temporary directory for it, those that exist (no other save's)."""
+  return [d for d in (staging, staging + orbax_io.TEMPORARY_SUFFIX) if os.path.exists(d)]
 
 
 def _recover(path: str) -> None:

@@ -30,6 +30,7 @@ from jaxres._persistence.processes import Blocks
 ARRAYS_DIR = "arrays"
 MANIFEST_ITEM = "manifest"  # Orbax's JSON item: manifest/metadata
 LEGACY_MANIFEST = "manifest.json"  # where checkpoints written before kept it
+TEMPORARY_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's temporary directory of a save: <directory> + this
 
 
 def absolute_path(path, name: str = "path") -> str:

@@ -3,9 +3,8 @@
 ``pip install`` compiles ``kernels.cc`` against the XLA FFI headers that jaxlib
 ships (see ``setup.py``). Each kernel computes exactly what its reference
 computes, the same results bit for bit, and replaces it only where XLA runs on
-CPU: a program lowered for GPU or TPU runs the reference. A process with no
-other platform than the CPU traces the kernel alone (the reference is neither
-traced nor lowered, so a first call compiles sooner). Without a compiler
+CPU: a program lowered for GPU or TPU runs the reference (also one a CPU-only
+process lowers for them, with ``jax.export``: the choice is made at lowering). Without a compiler
 at install time, or with ``JAXRES_KERNELS=0`` in the environment, every
 backend runs the references.
 
@@ -18,13 +17,11 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import threading
 from collections.abc import Callable
 
 import jax
-import jax.extend
 from jax import lax
 
 try:
@@ -41,12 +38,6 @@ if ENABLED:
 
 
 _TRACING = threading.local()
-
-
-@functools.cache
-def _cpu_only() -> bool:
-  """Whether the CPU is this process's only platform: then no program is lowered for another."""
-  return set(jax.extend.backend.backends()) == {"cpu"}
 
 
 @contextlib.contextmanager
@@ -78,6 +69,4 @@ def on_cpu(target: str, reference: Callable, results, *args, aliases=None, **att
   if not ENABLED or getattr(_TRACING, "references", False):
     return tuple(reference(*args))
   call = jax.ffi.ffi_call(target, results, vmap_method="sequential", input_output_aliases=aliases)
-  if _cpu_only():
-    return tuple(call(*args, **attrs))
   return lax.platform_dependent(*args, cpu=lambda *a: tuple(call(*a, **attrs)), default=reference)
