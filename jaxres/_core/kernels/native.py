@@ -22,7 +22,10 @@ import threading
 from collections.abc import Callable
 
 import jax
+import jax.extend
+import jax.numpy as jnp
 from jax import lax
+from jax.interpreters import batching, mlir
 
 try:
   from jaxres._core.kernels import _kernels
@@ -65,8 +68,60 @@ def on_cpu(target: str, reference: Callable, results, *args, aliases=None, **att
   ``results``: the ``jax.ShapeDtypeStruct`` of each of the reference's
   outputs; ``aliases``: ``{argument: result}`` pairs the kernel updates in
   place; ``attrs``: the kernel's static attributes.
+
+  The choice is made when the program is lowered, per platform (one primitive
+  with a CPU lowering rule, the kernel, and a default one, the reference): a
+  program lowered for the CPU alone never traces the reference.
   """
   if not ENABLED or getattr(_TRACING, "references", False):
     return tuple(reference(*args))
-  call = jax.ffi.ffi_call(target, results, vmap_method="sequential", input_output_aliases=aliases)
-  return lax.platform_dependent(*args, cpu=lambda *a: tuple(call(*a, **attrs)), default=reference)
+  params = {
+    "target": target,
+    "reference": reference,
+    "results": tuple(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in results),
+    "aliases": tuple(sorted((aliases or {}).items())),
+    "attrs": tuple(sorted(attrs.items())),
+  }
+  return tuple(_KERNEL.bind(*args, **params))
+
+
+_KERNEL = jax.extend.core.Primitive("jaxres_kernel")
+_KERNEL.multiple_results = True
+
+
+@_KERNEL.def_abstract_eval
+def _abstract(*args, results, **_):
+  del args
+  return [jax.core.ShapedArray(r.shape, r.dtype) for r in results]
+
+
+@_KERNEL.def_impl
+def _eager(*args, **params):
+  return jax.jit(lambda *a: _KERNEL.bind(*a, **params))(*args)
+
+
+def _kernel_lowering(ctx, *args, target, aliases, attrs, **_):
+  return jax.ffi.ffi_lowering(target, operand_output_aliases=dict(aliases))(ctx, *args, **dict(attrs))
+
+
+def _reference_lowering(ctx, *args, reference, **_):
+  return mlir.lower_fun(lambda *a: tuple(reference(*a)), multiple_results=True)(ctx, *args)
+
+
+def _batched(args, dims, **params):
+  """Under ``vmap``, one call per element (as ``ffi_call``'s ``vmap_method="sequential"``)."""
+  mapped = [i for i, d in enumerate(dims) if d is not None]
+
+  def one(xs):
+    full = list(args)
+    for i, x in zip(mapped, xs):
+      full[i] = x
+    return tuple(_KERNEL.bind(*full, **params))
+
+  out = lax.map(one, [jnp.moveaxis(args[i], dims[i], 0) for i in mapped])
+  return list(out), [0] * len(out)
+
+
+mlir.register_lowering(_KERNEL, _reference_lowering)
+mlir.register_lowering(_KERNEL, _kernel_lowering, platform="cpu")
+batching.primitive_batchers[_KERNEL] = _batched
