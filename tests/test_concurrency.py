@@ -5,6 +5,7 @@ entries in that range must equal the thread's own dict, and the final state
 is known exactly.
 """
 
+import collections
 import threading
 
 import numpy as np
@@ -72,6 +73,27 @@ def test_eight_threads_mix_every_operation_on_one_table():
   assert len(table) == len(expected) and table.capacity > 1024
   assert sum(sum(c.values()) for c in counts) == OPERATIONS
   assert all(min(c.values()) > 0 for c in counts)  # every thread ran every operation
+
+
+def test_threads_counting_with_insert_or_apply_lose_no_update():
+  """Concurrent read-modify-writes of the same keys: every increment lands (the table grows meanwhile)."""
+  import jax.numpy as jnp
+
+  table = jr.MutableHashTable(np.int64, np.int32, default_value=0, initial_capacity=16)
+  want = collections.Counter()
+  lock = threading.Lock()
+
+  def worker(t):
+    rng = np.random.default_rng(100 + t)
+    for _ in range(OPERATIONS // THREADS // 5):
+      keys = rng.integers(0, 64, int(rng.integers(1, 9))) * 2**40
+      table.insert_or_apply(keys, np.ones(keys.size, np.int32), jnp.add)
+      with lock:
+        want.update(keys.tolist())
+
+  assert _run_threads(worker) == []
+  keys, counts = table.export()
+  assert dict(zip(keys.tolist(), counts.tolist())) == dict(want)
 
 
 def test_resource_manager_race_under_load():

@@ -222,6 +222,23 @@ def test_eager_stateful_updates_are_made_in_place():
   assert table.find(keys[:4]).tolist() == [-1.0, -1.0, -1.0, 1.0]
 
 
+def test_the_rest_of_the_stateful_vocabulary_updates_in_place():
+  """insert_or_apply, assign and the evicting forms donate the state too (a bounded table evicts)."""
+  table = jr.MutableHashTable(np.int64, np.float32, 0.0, initial_capacity=CAPACITY, eviction=jr.LRU())
+  keys = np.arange(BATCH, dtype=np.int64) * (2**33 + 1)
+  ones = np.ones(BATCH, np.float32)
+  for update in (
+    lambda: table.insert_or_apply(keys, ones, jnp.add),
+    lambda: table.assign(keys, 2 * ones),
+    lambda: table.insert_and_evict(keys + 1, ones),
+    lambda: table.find_or_insert_and_evict(keys + 2, ones),
+  ):
+    before = table.state
+    update()
+    assert all(x.is_deleted() for x in jax.tree.leaves(before)), "the update copied the table"
+  assert table.find(keys[:2]).tolist() == [2.0, 2.0] and len(table) == 3 * BATCH
+
+
 def test_eager_embedding_calls_are_made_in_place():
   emb = jr.DynamicEmbedding(CAPACITY, 8, optimizer=optax.sgd(0.1), eviction=jr.LRU(), rngs=nnx.Rngs(0))
   ids = np.arange(BATCH, dtype=np.int64)

@@ -2,6 +2,7 @@
 builds with warnings as errors (a broken reference fails)."""
 
 import enum
+import inspect
 import re
 import subprocess
 import sys
@@ -40,9 +41,18 @@ def test_the_site_builds_strictly(tmp_path):
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
 
-def _public():
-  import inspect
+def test_every_code_block_of_the_site_is_one_the_tests_run():
+  """The site's code blocks are all Python (run above): commands to type are given in the text."""
+  other = [
+    (str(page.relative_to(ROOT)), fence)
+    for page in PAGES[:-1]
+    for fence in re.findall(r"^```(\w*)$", page.read_text(), re.M)
+    if fence not in ("python", "")
+  ]
+  assert not other, other
 
+
+def _public():
   import jaxres as jr
 
   names = [
@@ -52,13 +62,14 @@ def _public():
   ]
   names += [(f"keys.{n}", getattr(jr.keys, n)) for n in jr.keys.__all__]
   names += [(f"saved_model.{n}", getattr(jr.saved_model, n)) for n in ("save", "load", "Signature")]
-  return names, inspect
+  return names
 
 
 def test_every_public_name_has_a_docstring_with_args_and_an_example():
   """Each public name documents its arguments (``Args:``, or ``Attributes:`` for a record; a table
-  class through its ``create``) and shows a runnable example (the doctests run them)."""
-  names, inspect = _public()
+  class through its ``create``), a function what it returns (``Returns:``, unless nothing), and
+  shows a runnable example (the doctests run them)."""
+  names = _public()
   missing = []
   for name, obj in names:
     doc = inspect.getdoc(obj) or ""
@@ -73,4 +84,7 @@ def test_every_public_name_has_a_docstring_with_args_and_an_example():
     section = ("Args:", "Attributes:")
     if params and not is_enum and not any(s in (inspect.getdoc(documented) or "") + doc for s in section):
       missing.append(f"{name}: no Args")
+    returns = inspect.signature(obj).return_annotation if inspect.isfunction(obj) else None
+    if inspect.isfunction(obj) and returns not in (None, "None") and "Returns:" not in doc:
+      missing.append(f"{name}: no Returns")
   assert not missing, missing

@@ -63,14 +63,11 @@ def _fresh(rows, optimizer: RowOptimizer, lead: int) -> list:
       for k, s in enumerate(optimizer.slots)
     ]
   rows = np.asarray(rows)
-  flat = rows.reshape(-1, rows.shape[-1])
-  state = optimizer.init(jnp.asarray(flat)) if len(flat) else None
-  return [
-    np.asarray(leaf).reshape(*rows.shape[:-1], *s.shape)
-    if state is not None
-    else np.zeros((*rows.shape[:-1], *s.shape), s.dtype)
-    for leaf, s in zip(state or [None] * len(optimizer.slots), optimizer.slots)
-  ]
+  lead = rows.shape[:-1]
+  if not rows.size:
+    return [np.zeros((*lead, *s.shape), s.dtype) for s in optimizer.slots]
+  state = optimizer.init(jnp.asarray(rows.reshape(-1, rows.shape[-1])))
+  return [np.asarray(leaf).reshape(*lead, *s.shape) for leaf, s in zip(state, optimizer.slots)]
 
 
 def _lead(prefix: str) -> int:

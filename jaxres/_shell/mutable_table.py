@@ -112,14 +112,19 @@ class MutableHashTable(LookupTable):
         table = table.resize(max(2 * table.capacity, bound + rows))
     return table, bound + rows
 
-  def _write(self, method, keys, values=None, **kwargs):
-    """Runs the functional ``method`` on the state (grown first when the keys might not fit),
-    donating it, and makes its table the state; returns the rest of its result."""
+  def _write(self, method, keys, values=None, *, inserts: bool = True, **kwargs):
+    """Runs the functional ``method`` on the state, donating it, and makes its table the state;
+    returns the rest of its result. ``inserts``: the call may add keys, so the table grows
+    first when they might not fit (otherwise the size stays within what is known of it)."""
     with self._life().lock:
       table = self._current()
       keys = self._key_codec.encode(keys)
       args = (keys,) if values is None else (keys, self._value_codec.encode(values))
-      table, bound = self._with_room(table, keys)
+      if inserts:
+        table, bound = self._with_room(table, keys)
+      else:
+        known = self._known(table)
+        bound = known and known.size_bound
       result = method(table, *args, **kwargs, donate=True)
       table, rest = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
       self._updated(table, bound)
@@ -202,20 +207,11 @@ class MutableHashTable(LookupTable):
   def assign(self, keys, values, valid=None) -> None:
     """Replaces the values of keys present; absent keys are ignored (nothing is inserted or evicted,
     scores stay). The last duplicate wins."""
-    with self._life().lock:
-      table = self._current()
-      known = self._known(table)
-      keys, values = self._key_codec.encode(keys), self._value_codec.encode(values)
-      table = table.assign(keys, values, valid=valid, donate=True)
-      self._updated(table, known and known.size_bound)
+    self._write(Table.assign, keys, values, inserts=False, valid=valid)
 
   def remove(self, keys, valid=None) -> None:
     """Removes ``keys``; absent keys are ignored; rows where ``valid`` is ``False`` are skipped."""
-    with self._life().lock:
-      table = self._current()
-      known = self._known(table)
-      table = table.remove(self._key_codec.encode(keys), valid=valid, donate=True)
-      self._updated(table, known and known.size_bound)
+    self._write(Table.remove, keys, inserts=False, valid=valid)
 
   def _decoded(self, evicted: Evicted) -> Evicted:
     """The evicted entries on the host: keys and values as the table's users give them."""
