@@ -45,39 +45,37 @@ class NnxHandle(handles.Handle):
           f"{paths.relative(path)}: an array held by an NNX object outside an nnx.Variable cannot be "
           "restored in place; hold it in an nnx.Variable."
         )
-      if isinstance(node, Trackable) or (isinstance(node, nnx.Variable) and _value_handle(node) is not None):
-        found[path] = node
+      if isinstance(node, (Trackable, nnx.Variable)):
+        found[path] = node  # a variable without arrays has no handle: the walkers skip it
     return paths.by_relative(found)
 
 
 class VariableHandle(handles.Handle):
-  """An ``nnx.Variable``: its value saves itself; restoring sets the value in place."""
+  """An ``nnx.Variable`` holding arrays: its value saves itself; restoring sets the value in place."""
 
-  def __init__(self, variable: nnx.Variable):
+  def __init__(self, variable: nnx.Variable, value: handles.Handle):
     super().__init__(variable)
-    self._value = _value_handle(variable)
-    self.kind = self._value.kind if self._value is not None else "variable"
+    self._value = value
+    self.kind = value.kind
+    self.takes_parts = value.takes_parts
+
+  @classmethod
+  def of(cls, variable: nnx.Variable) -> VariableHandle | None:
+    """The handle of a variable whose value is arrays (or a table); ``None`` for one holding
+    something else (a number, a string, ``None``), which is not part of the graph."""
+    value = handles.handle_for(variable.get_value(), containers=False)
+    return None if value is None else cls(variable, value)
 
   def arrays(self):
-    return self._value.arrays() if self._value is not None else {}
+    return self._value.arrays()
 
   def holds_values(self) -> bool:
-    return self._value is not None
-
-  @property
-  def takes_parts(self) -> bool:
-    return self._value is not None and self._value.takes_parts
+    return True
 
   def restore(self, arrays):
-    if self._value is None:
-      return super().restore(arrays)
     new, _ = self._value.restore(arrays)
     return self.obj, handles.setting(self.obj.set_value, self.obj.get_value(), new)
 
 
-def _value_handle(variable: nnx.Variable) -> handles.Handle | None:
-  return handles.handle_for(variable.get_value(), containers=False)
-
-
-handles.register(nnx.Variable, VariableHandle)
+handles.register(nnx.Variable, VariableHandle.of)
 handles.register(nnx.Pytree, NnxHandle)

@@ -95,4 +95,4 @@ class EmbeddingRowsHandle(VariableHandle):
     return super().restore(arrays)
 
 
-handles.register(EmbeddingRows, EmbeddingRowsHandle)
+handles.register(EmbeddingRows, EmbeddingRowsHandle.of)
