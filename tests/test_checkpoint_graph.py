@@ -133,6 +133,20 @@ def test_a_functional_table_in_an_nnx_variable_saves_its_live_entries(tmp_path):
   assert small.ids.get_value().find(jnp.arange(6)).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 0.0]
 
 
+def test_a_variable_holding_no_arrays_is_left_out_and_cannot_take_saved_arrays(tmp_path):
+  class Model(nnx.Module):
+    def __init__(self, value):
+      self.v = nnx.Variable(value)
+      self.note = nnx.Variable("not arrays")
+
+  path = _save(tmp_path, model=Model(jnp.ones(3)))
+  assert "model/note" not in set(_paths(path))
+  empty = Model(None)
+  with pytest.raises(TypeError, match="model/v: the checkpoint holds .* cannot be checkpointed"):
+    jr.Checkpoint(model=empty).restore(path)
+  assert empty.v.get_value() is None
+
+
 @pytest.mark.parametrize(
   ("value", "path"),
   [
