@@ -251,6 +251,12 @@ def _scored_state(table) -> dict:
 
 
 KEYS, VALUES = np.array([3, 4], np.int32), np.array([3.0, 4.0], np.float32)
+
+
+def _recent(keys, values, scores):
+  return scores > 0
+
+
 BAD_EVICTION_CALLS = [
   ("custom: scores missing", "custom", lambda t: t.insert(KEYS, VALUES), TypeError, "scores"),
   (
@@ -305,6 +311,11 @@ BAD_EVICTION_CALLS = [
   ("erase_if: fn not callable", "lru", lambda t: t.erase_if(3), TypeError, "fn"),
   ("erase_if: fn gives one bool", "lru", lambda t: t.erase_if(lambda k, v, s: True), TypeError, "fn"),
   ("export_batch: size 0", "lru", lambda t: t.export_batch(0, 0), ValueError, "size"),
+  ("export_if: fn not callable", "lru", lambda t: t.export_if(3, 0, 4), TypeError, "fn"),
+  ("export_if: fn gives one bool", "lru", lambda t: t.export_if(lambda k, v, s: True, 0, 4), TypeError, "fn"),
+  ("export_if: fn gives ints", "lru", lambda t: t.export_if(lambda k, v, s: s, 0, 4), TypeError, "fn"),
+  ("export_if: size 0", "lru", lambda t: t.export_if(_recent, 0, 0), ValueError, "size"),
+  ("export_if: float offset", "lru", lambda t: t.export_if(_recent, 1.5, 4), TypeError, "offset"),
   ("export_batch: float offset", "lru", lambda t: t.export_batch(1.5, 4), TypeError, "offset"),
 ]
 

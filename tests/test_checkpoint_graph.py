@@ -142,7 +142,7 @@ def test_a_variable_holding_no_arrays_is_left_out_and_cannot_take_saved_arrays(t
   path = _save(tmp_path, model=Model(jnp.ones(3)))
   assert "model/note" not in set(_paths(path))
   empty = Model(None)
-  with pytest.raises(TypeError, match="model/v: the checkpoint holds .* cannot be checkpointed"):
+  with pytest.raises(TypeError, match=r"model/v: the checkpoint holds .* cannot be checkpointed"):
     jr.Checkpoint(model=empty).restore(path)
   assert empty.v.get_value() is None
 

@@ -123,9 +123,14 @@ _METHODS = {
   "read and write rows": lambda t, k, v: t.write_rows(t.find_rows(k), v),
   "scores": lambda t, k, v: (t, t.scores(k)),
   "export_batch": lambda t, k, v: (t, t.export_batch(k.shape[0], k.shape[0])),
+  "export_if": lambda t, k, v: (t, t.export_if(_recent, k.shape[0], k.shape[0])),
   "insert with valid": lambda t, k, v: t.insert(k, v, valid=jnp.arange(k.shape[0]) % 2 == 0),
   "find with a default": lambda t, k, v: (t, t.find(k, default=jnp.full((4,), -1.0, jnp.float32))),
 }
+
+
+def _recent(keys, values, scores):
+  return scores > 1
 
 
 def _blend(old, new):
@@ -148,7 +153,7 @@ def test_functional_methods_under_jit_with_the_table_donated(method):
 _SHARDED_METHODS = ["insert", "find", "remove", "insert_or_apply add", "find_or_insert_rows", "scores"]
 
 
-@pytest.mark.parametrize("method", [*_SHARDED_METHODS, "read and write rows", "export_batch"])
+@pytest.mark.parametrize("method", [*_SHARDED_METHODS, "read and write rows", "export_batch", "export_if"])
 def test_sharded_methods_under_jit_with_the_table_donated(method):
   _check_methods(method, _sharded_tables())
 

@@ -361,6 +361,41 @@ def test_export_batch_streams_every_entry_once_with_its_score(kind):
   assert [streamed[k][1] for k in keys.tolist()] == table.scores(keys).tolist()
 
 
+@pytest.mark.parametrize("kind", ["open_addressing", "sorted", "sharded"])
+def test_export_if_streams_the_matching_entries_first_chunk_by_chunk(kind):
+  if kind == "sorted":
+    table = jr.SortedTable.create(16, key=jnp.int64, value=jnp.int32)
+  elif kind == "sharded":
+    table = _create(jr.LRU(), 16, sharded=True)
+  else:
+    table = _create(jr.LRU(), 16)
+  for start in (0, 5):
+    table = table.insert(POOL[start : start + 7], np.arange(7, dtype=np.int32) + start)
+  entries = _entries(table)
+
+  latest = 0 if kind == "sorted" else int(table.clock)  # the keys of the last insert (LRU)
+
+  def odd_recent(keys, values, scores):
+    return (values % 2 == 1) & (scores >= latest)
+
+  step = jax.jit(lambda t, offset: t.export_if(odd_recent, offset, 5))
+  matched = {}
+  for offset in range(0, table.num_slots + 5, 5):  # a chunk past the end matches nothing
+    keys, values, scores, valid = step(table, offset)
+    count = int(valid.sum())
+    assert np.asarray(valid).tolist() == [True] * count + [False] * (5 - count)  # matches first
+    keys = jr.keys.join64(keys) if keys.dtype == jnp.uint32 else np.asarray(keys)
+    found = zip(keys[:count].tolist(), np.asarray(values)[:count].tolist(), scores[:count].tolist())
+    for key, value, score in found:
+      assert key not in matched
+      matched[key] = (value, score)
+  oracle_scores = dict(zip(entries, table.scores(np.array(list(entries), np.int64)).tolist()))
+  wanted = {k: v for k, v in entries.items() if v % 2 == 1 and oracle_scores[k] >= latest}
+  assert {k: v for k, (v, _) in matched.items()} == wanted
+  assert 0 < len(wanted) < len(entries)
+  assert all(score == oracle_scores[k] for k, (_, score) in matched.items())
+
+
 def test_erase_if_expires_entries_by_age():
   table = _create(jr.LRU(), 16)
   for start in range(0, 12, 3):  # keys 3c..3c+2 named by call c + 1

@@ -206,6 +206,18 @@ def static_fn(fn, signature: str) -> Callable:
   return fn
 
 
+def predicate_mask(out, slots: int) -> jax.Array:
+  """What a predicate ``fn(keys, values, scores)`` over ``slots`` slots returned, checked.
+
+  Raises:
+    TypeError: ``out`` is not ``bool[slots]`` (one per slot).
+  """
+  out = jnp.asarray(out)
+  if out.shape != (slots,) or out.dtype != bool:
+    raise TypeError(f"fn: must return bool[{slots}] (one per slot), got {out.dtype}{list(out.shape)}.")
+  return out
+
+
 def check_valid(valid, batch) -> jax.Array | None:
   """``valid`` as a flat mask (``None`` stays ``None``).
 

@@ -18,7 +18,9 @@ import abc
 import functools
 
 import jax
+import jax.numpy as jnp
 
+from jaxres._core import call_args
 from jaxres._core.modes import Upsert
 
 
@@ -218,3 +220,21 @@ def write_rows(table: RowProtocol, index, leaves, active):
 @functools.partial(jax.jit, static_argnames=("size",))
 def slots(table: RowProtocol, offset, *, size: int):
   return table._slot_rows(offset, size)
+
+
+@functools.partial(jax.jit, static_argnames=("size", "fn"))
+def slots_if(table: RowProtocol, offset, *, size: int, fn):
+  """The slots of :func:`slots` whose entries satisfy ``fn(keys, values, scores)``, moved first.
+
+  Returns ``(words, leaves, scores, match)``; the matching rows keep their
+  slot order, then come the others (``match`` false). O(size).
+  """
+  words, leaves, scores, valid = table._slot_rows(offset, size)
+  keys, values = table.key_spec.decode(words), table.value_spec.from_storage(leaves)
+  match = call_args.predicate_mask(fn(keys, values, scores), size) & valid
+  count = jnp.sum(match, dtype=jnp.int32)
+  before = jnp.cumsum(match, dtype=jnp.int32) - match  # matches before each row
+  position = jnp.where(match, before, count + jnp.arange(size, dtype=jnp.int32) - before)
+  inverse = jnp.zeros(size, jnp.int32).at[position].set(jnp.arange(size, dtype=jnp.int32))
+  gather = lambda x: x[inverse]
+  return gather(words), [gather(x) for x in leaves], gather(scores), gather(match)

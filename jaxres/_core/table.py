@@ -539,6 +539,53 @@ class Table(RowProtocol):
     words = jnp.where(valid[:, None], words, self.key_spec.encode_zero())
     return self.key_spec.decode(words), self.value_spec.from_storage(leaves), scores, valid
 
+  def export_if(self, fn: Callable, offset, size: int):
+    """The entries of slots ``[offset, offset + size)`` for which ``fn(keys, values, scores)`` is True.
+
+    HierarchicalKV's ``export_batch_if``: deltas, reports and audits over any
+    table, chunk by chunk, each chunk O(``size``) and jittable. Returns
+    ``(keys, values, scores, valid)`` of ``size`` rows, the matching entries
+    first (in slot order): ``valid`` marks them, so ``keys[:valid.sum()]`` are
+    the keys found. ``fn`` gets the chunk's keys ``[size, *key_shape]`` (64-bit
+    keys as word pairs with x64 off), the value pytree and ``uint32`` scores
+    (0 without eviction), as ``erase_if``'s does, and returns ``bool[size]``
+    (slots holding no entry are never matched). ``size`` is static;
+    ``offset`` may be traced. Pass the same function object each call to
+    avoid recompiling.
+
+    Args:
+      fn: the predicate ``fn(keys, values, scores) -> bool[size]``.
+      offset: the first slot of the chunk (an int, or traced under ``jit``).
+      size: the number of slots of the chunk (a static int >= 1).
+
+    Returns:
+      ``(keys, values, scores, valid)`` as :meth:`export_batch` gives them,
+      the matches first.
+
+    Raises:
+      TypeError: ``fn`` is not callable or does not return ``bool[size]``;
+        ``size`` or an eager ``offset`` is not an int.
+      ValueError: ``size`` below 1.
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxres as jr
+      >>> t = jr.OpenAddressingTable.create(64, key=jnp.int32, value=jnp.float32)
+      >>> t = t.insert(jnp.arange(10), jnp.arange(10.0))
+      >>> large = lambda keys, values, scores: values >= 7.0
+      >>> found = [t.export_if(large, offset, 32) for offset in range(0, t.num_slots, 32)]
+      >>> sorted(int(k) for keys, _, _, valid in found for k in keys[:int(valid.sum())])
+      [7, 8, 9]
+    """
+    fn = call_args.static_fn(fn, "fn(keys, values, scores)")
+    size = check_int(size, "size", low=1)
+    if not key_specs.is_traced(offset):
+      offset = check_int(offset, "offset")
+    words, leaves, scores, valid = row_protocol.slots_if(
+      self, jnp.asarray(offset, jnp.int32), size=size, fn=fn
+    )
+    words = jnp.where(valid[:, None], words, self.key_spec.encode_zero())
+    return self.key_spec.decode(words), self.value_spec.from_storage(leaves), scores, valid
+
   def import_(self, keys, values, valid=None, scores=None) -> Table:
     """A table of the same capacity holding exactly the given entries.
 

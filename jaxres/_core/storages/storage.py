@@ -23,6 +23,7 @@ import operator
 import jax
 import jax.numpy as jnp
 
+from jaxres._core import call_args
 from jaxres._core.kernels import claims
 from jaxres._core.kernels.row_ops import select_rows, take_rows, write_rows
 from jaxres._core.modes import Carry, Upsert
@@ -161,12 +162,8 @@ class Storage(Table):
     words, live = self._slots()
     keys = self.key_spec.decode(words)
     every = jnp.arange(live.shape[0], dtype=jnp.int32)
-    erase = jnp.asarray(fn(keys, self.value_spec.from_storage(self._read(every)), self._scores_by_slot()))
-    if erase.shape != live.shape or erase.dtype != bool:
-      raise TypeError(
-        f"fn: must return bool[{live.shape[0]}] (one per slot), got {erase.dtype}{list(erase.shape)}."
-      )
-    erase = erase & live
+    values = self.value_spec.from_storage(self._read(every))
+    erase = call_args.predicate_mask(fn(keys, values, self._scores_by_slot()), live.shape[0]) & live
     table = self._release(words, every, erase)
     return dataclasses.replace(table, size=table.size - jnp.sum(erase, dtype=jnp.int32))
 
