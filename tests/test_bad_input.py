@@ -311,6 +311,8 @@ BAD_EVICTION_CALLS = [
   ("erase_if: fn not callable", "lru", lambda t: t.erase_if(3), TypeError, "fn"),
   ("erase_if: fn gives one bool", "lru", lambda t: t.erase_if(lambda k, v, s: True), TypeError, "fn"),
   ("export_batch: size 0", "lru", lambda t: t.export_batch(0, 0), ValueError, "size"),
+  ("lru: assign_scores, scores", "lru", lambda t: t.assign_scores(KEYS, scores=[1, 2]), ValueError, "scores"),
+  ("custom: assign_scores without scores", "custom", lambda t: t.assign_scores(KEYS), TypeError, "scores"),
   ("export_if: fn not callable", "lru", lambda t: t.export_if(3, 0, 4), TypeError, "fn"),
   ("export_if: fn gives one bool", "lru", lambda t: t.export_if(lambda k, v, s: True, 0, 4), TypeError, "fn"),
   ("export_if: fn gives ints", "lru", lambda t: t.export_if(lambda k, v, s: s, 0, 4), TypeError, "fn"),

@@ -115,6 +115,7 @@ _METHODS = {
   "insert_or_apply fold": lambda t, k, v: t.insert_or_apply(k, v, _blend),
   "assign": lambda t, k, v: t.assign(k, v),
   "remove": lambda t, k, v: t.remove(k),
+  "assign_scores": lambda t, k, v: t.assign_scores(k) if t.eviction is not None else t,
   "find": lambda t, k, v: (t, t.find(k)),
   "lookup": lambda t, k, v: (t, t.lookup(k)),
   "contains": lambda t, k, v: (t, t.contains(k)),
@@ -150,7 +151,15 @@ def test_functional_methods_under_jit_with_the_table_donated(method):
   _check_methods(method, _tables())
 
 
-_SHARDED_METHODS = ["insert", "find", "remove", "insert_or_apply add", "find_or_insert_rows", "scores"]
+_SHARDED_METHODS = [
+  "insert",
+  "find",
+  "remove",
+  "assign_scores",
+  "insert_or_apply add",
+  "find_or_insert_rows",
+  "scores",
+]
 
 
 @pytest.mark.parametrize("method", [*_SHARDED_METHODS, "read and write rows", "export_batch", "export_if"])

@@ -156,6 +156,15 @@ def machine_for(policy, sharded=False, max_examples=10):
       self.oracle.scores = {k: new_scores.get(k, self.oracle.scores.get(k)) for k in after}
       self.oracle.evictions += len(gone)
 
+    @rule(picks=batches, seed=seeds)
+    def assign_scores(self, picks, seed):
+      keys, _, given = self._batch(picks, seed)
+      self.table = self.table.assign_scores(keys, scores=given)
+      new_scores = self.oracle.named(keys.tolist(), given)
+      for key in keys.tolist():
+        if key in self.oracle.data:  # present keys only: values stay, nothing is inserted
+          self.oracle.scores[key] = new_scores[key]
+
     @rule(picks=batches)
     def remove(self, picks):
       keys = POOL[np.asarray(picks)]
@@ -394,6 +403,18 @@ def test_export_if_streams_the_matching_entries_first_chunk_by_chunk(kind):
   assert {k: v for k, (v, _) in matched.items()} == wanted
   assert 0 < len(wanted) < len(entries)
   assert all(score == oracle_scores[k] for k, (_, score) in matched.items())
+
+
+def test_assign_scores_of_a_stateful_table_decide_what_is_evicted_next():
+  table = jr.MutableHashTable(np.int64, np.int32, default_value=-1, initial_capacity=8, eviction=jr.LRU())
+  table.insert(POOL[:8], np.arange(8, dtype=np.int32))  # all at clock 1
+  table.assign_scores(np.concatenate([POOL[:4], POOL[10:11]]))  # keys 0-3 touched (clock 2); 10 absent
+  assert len(table) == 8 and not table.contains(POOL[10:11]).any()
+  evicted = table.insert_and_evict(POOL[8:10], np.full(2, 9, np.int32))
+  assert set(evicted.keys[evicted.valid].tolist()) <= set(POOL[4:8].tolist())  # untouched ones leave
+  assert table.find(POOL[:4]).tolist() == [0, 1, 2, 3]  # values unchanged
+  with pytest.raises(ValueError, match="assign_scores: the table keeps no scores"):
+    jr.MutableHashTable(np.int64, np.int32, default_value=-1).assign_scores(POOL[:2])
 
 
 def test_erase_if_expires_entries_by_age():

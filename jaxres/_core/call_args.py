@@ -242,7 +242,7 @@ def _given_scores(table, scores, batch, names_keys: bool, explicit: bool) -> jax
     if takes and names_keys and not explicit:
       raise TypeError(
         "scores: a table with eviction=jr.CustomScore() takes scores=uint32[*batch] with every call "
-        "that inserts keys."
+        "that inserts keys or assigns scores."
       )
     return None
   if not takes:

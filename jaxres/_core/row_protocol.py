@@ -93,6 +93,10 @@ class RowProtocol(abc.ABC):
     """insert_or_apply on flat rows (``given`` and ``weights`` as for :meth:`_upsert_rows`)."""
 
   @abc.abstractmethod
+  def _rescore_rows(self, words, active, given_scores=None, weights=None) -> RowProtocol:
+    """assign_scores on flat rows (``given`` and ``weights`` as for :meth:`_upsert_rows`)."""
+
+  @abc.abstractmethod
   def _remove_rows(self, words, active) -> RowProtocol:
     """remove on flat rows."""
 
@@ -184,6 +188,11 @@ def upsert(
 @mutation()
 def assign(table: RowProtocol, words, leaves, active):
   return table._assign_rows(words, leaves, active)
+
+
+@mutation()
+def rescore(table: RowProtocol, words, active, given_scores):
+  return table._tick()._rescore_rows(words, active, given_scores)
 
 
 @mutation(static_argnames=("fn",))

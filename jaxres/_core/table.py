@@ -469,6 +469,44 @@ class Table(RowProtocol):
       return self
     return row_protocol.assign(self, rows.words, rows.leaves, rows.active, donate=donate)
 
+  def assign_scores(self, keys, scores=None, valid=None, *, donate: bool = False) -> Table:
+    """Updates the scores of present keys only (HierarchicalKV's ``assign_scores``): values stay.
+
+    Each present key gets the score an insert naming it would give: ``LRU()``
+    the clock, ``LFU()`` its score plus its occurrences in the batch,
+    ``CustomScore()`` the last of its ``scores``. Missing keys are ignored
+    (never inserted). Advances the :attr:`clock` once, as any mutating call.
+
+    Args:
+      keys: ``key_dtype[*batch, *key_shape]``.
+      scores: ``uint32[*batch]``: required with ``eviction=jr.CustomScore()``,
+        refused otherwise.
+      valid: optional ``bool[*batch]``; rows marked ``False`` are skipped.
+
+    Returns:
+      The new table.
+
+    Raises:
+      ValueError: the table keeps no scores (created without ``eviction``).
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxres as jr
+      >>> t = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.float32, eviction=jr.LRU())
+      >>> t = t.insert(jnp.array([1, 2]), jnp.array([1.0, 2.0]))  # clock 1
+      >>> t = t.assign_scores(jnp.array([2, 5]))  # clock 2: key 2 touched, key 5 not inserted
+      >>> t.scores(jnp.array([1, 2, 5])).tolist(), t.find(jnp.array([2])).tolist()
+      ([1, 2, 0], [2.0])
+    """
+    if self.eviction is None:
+      raise ValueError(
+        "assign_scores: the table keeps no scores; create it with eviction=jr.LRU(), jr.LFU() or "
+        "jr.CustomScore()."
+      )
+    rows = call_args.prepare(self, keys, valid=valid, scores=scores, inserts=True)
+    if not rows.n:
+      return self
+    return row_protocol.rescore(self, rows.words, rows.active, rows.given_scores, donate=donate)
+
   def remove(self, keys, valid=None, *, donate: bool = False) -> Table:
     """Removes keys; absent keys are ignored.
 

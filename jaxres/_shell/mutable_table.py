@@ -209,6 +209,15 @@ class MutableHashTable(LookupTable):
     scores stay). The last duplicate wins."""
     self._write(Table.assign, keys, values, inserts=False, valid=valid)
 
+  def assign_scores(self, keys, scores=None, valid=None) -> None:
+    """Updates the scores of keys present as an insert would, values unchanged; absent keys are
+    ignored (see :meth:`jaxres.Table.assign_scores`). ``scores``: with ``jr.CustomScore()``.
+
+    Raises:
+      ValueError: the table has no eviction policy (it keeps no scores).
+    """
+    self._write(Table.assign_scores, keys, inserts=False, scores=scores, valid=valid)
+
   def remove(self, keys, valid=None) -> None:
     """Removes ``keys``; absent keys are ignored; rows where ``valid`` is ``False`` are skipped."""
     self._write(Table.remove, keys, inserts=False, valid=valid)

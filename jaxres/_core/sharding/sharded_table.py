@@ -348,6 +348,15 @@ class ShardedTable(Table):
     pick = None if reduction is None else (reduction,) * len(leaves) + tuple(p for _, p in extras)
     return self._routed(op, words, active, [*leaves, *(x for x, _ in extras)], pick)[0]
 
+  def _rescore_rows(self, words, active, given_scores=None, weights=None):
+    extras = self._extras(words, given_scores, weights)
+
+    def op(shard, words, active, rows):
+      _, given_scores, weights = _split(rows, extras)
+      return shard._rescore_rows(words, active, given_scores, weights), []
+
+    return self._routed(op, words, active, [x for x, _ in extras], tuple(p for _, p in extras))[0]
+
   def _extras(self, words, given_scores, weights) -> list[tuple[jax.Array, Carry]]:
     """What travels with a call's rows besides their values, and how a repeated key combines each.
 

@@ -365,15 +365,9 @@ class OpenAddressingTable(Storage):
     takes_last = not mode.keeps_present or given_scores is not None
     last = claims.owner_per_key(words, named, last=True) if takes_last else first
     stored = found | admitted
-    if given_scores is not None:  # explicit scores (CustomScore, or entries moved by resize and import)
-      score = given_scores[last]
-    else:
-      old = jnp.where(found, self.slot_scores[slot], jnp.uint32(0))
-      count = None
-      if self.eviction.counts:
-        weights = jnp.int32(1) if weights is None else weights
-        count = jnp.zeros(n, jnp.int32).at[jnp.where(named, first, n)].add(weights, mode="drop")[first]
-      score = self.eviction.score(old, count, self.clock)
+    # Explicit scores: CustomScore, or entries moved by resize and import.
+    old = None if given_scores is not None else jnp.where(found, self.slot_scores[slot], jnp.uint32(0))
+    score = self._policy_scores(named, first, last, old, given_scores, weights)
     heads = named & (first == index)
     scores = self.slot_scores.at[jnp.where(stored & heads, slot, self.slot_scores.shape[0])].set(
       score, mode="drop"

@@ -87,6 +87,34 @@ class Storage(Table):
     """uint32[num_slots]: each slot's score (zeros for a table without eviction)."""
     return self.slot_scores if self.eviction is not None else jnp.zeros((self.num_slots,), jnp.uint32)
 
+  def _policy_scores(self, named, first, last, old, given_scores, weights) -> jax.Array:
+    """uint32[N]: the score the policy gives each named row's key (read on its ``first`` row).
+
+    ``last``: each key's last row, whose given score counts; ``old``: the
+    keys' present scores; ``weights``: occurrences each row stands for.
+    """
+    if given_scores is not None:
+      return given_scores[last]
+    count = None
+    if self.eviction.counts:
+      n = named.shape[0]
+      weights = jnp.int32(1) if weights is None else weights
+      count = jnp.zeros(n, jnp.int32).at[jnp.where(named, first, n)].add(weights, mode="drop")[first]
+    return self.eviction.score(old, count, self.clock)
+
+  def _rescore_rows(self, words, active, given_scores=None, weights=None):
+    """assign_scores on flat rows: present keys get the score an insert would give them."""
+    found, slot = self._locate(words)
+    named = found if active is None else found & active
+    first = claims.owner_per_key(words, named)
+    last = claims.owner_per_key(words, named, last=True) if given_scores is not None else first
+    old = jnp.where(found, self.slot_scores[slot], jnp.uint32(0))
+    score = self._policy_scores(named, first, last, old, given_scores, weights)
+    heads = named & (first == jnp.arange(words.shape[0], dtype=jnp.int32))
+    drop = self.slot_scores.shape[0]
+    scores = self.slot_scores.at[jnp.where(heads, slot, drop)].set(score, mode="drop")
+    return dataclasses.replace(self, slot_scores=scores)
+
   def _find_rows(self, words):
     found, slot = self._locate(words)
     return jnp.where(found, self._row_of(slot), -1)
