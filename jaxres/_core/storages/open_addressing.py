@@ -41,10 +41,11 @@ from jaxres._core.pytrees import pytree_dataclass, static_field
 from jaxres._core.storages import eviction_rounds, placing
 from jaxres._core.storages.buckets import LINE_WORDS, Layout
 from jaxres._core.storages.storage import Storage, empty_fields
-from jaxres._core.table import check_capacity
+from jaxres._core.table import Changes, LiveEntries, check_capacity
 from jaxres._errors import check_int
 
 _MAX_LOAD = 0.5  # live entries per slot at full capacity: short probe chains
+_MIN_FETCH = 64  # changed entries are fetched in power-of-two batches of at least this many
 _EVICTION_BUCKET = constants.EVICTING_BUCKET_SIZE
 
 
@@ -70,6 +71,7 @@ class OpenAddressingTable(Storage):
   free_rows: jax.Array  # int32[capacity]: free_rows[size:] are the rows no entry holds
   default: tuple  # leaves [*storage_shape]
   slot_scores: jax.Array  # uint32[num_buckets * bucket_size] with an eviction policy, else uint32[0]
+  row_stamps: jax.Array  # uint32[capacity]: the clock when each row's entry last changed
   size: jax.Array  # shape=(), dtype=int32
   dropped: jax.Array  # shape=(), dtype=int32
   clock: jax.Array  # shape=(), dtype=uint32
@@ -143,6 +145,24 @@ class OpenAddressingTable(Storage):
 
   def _live_slots(self):
     return np.flatnonzero(jax.device_get(_jit_live(self)))
+
+  def changes(self, since):
+    packed_live, packed_changed = jax.device_get(_jit_changed(self, jnp.asarray(since, jnp.uint32)))
+    live = np.unpackbits(packed_live, count=self.num_slots).astype(bool)
+    slots = np.flatnonzero(np.unpackbits(packed_changed, count=self.num_slots))
+    n = len(slots)
+    padded = np.zeros(max(_MIN_FETCH, 1 << max(0, n - 1).bit_length()), np.int32)
+    padded[:n] = slots
+    words, leaves, scores = jax.device_get(_jit_entries_at(self, jnp.asarray(padded)))
+    keys = self.key_spec.decode(jnp.asarray(np.asarray(words)[:n]))
+    values = self.value_spec.from_storage([jnp.asarray(np.asarray(x)[:n]) for x in leaves])
+    entries = LiveEntries(
+      np.asarray(keys),
+      [np.asarray(x) for x in jax.tree.leaves(values)],
+      np.asarray(scores)[:n] if self.eviction is not None else None,
+      slots,
+    )
+    return Changes(entries, live)
 
   def placed(self, keys, values, scores, slots):
     empty = self._cleared()
@@ -327,12 +347,14 @@ class OpenAddressingTable(Storage):
       dropped=self.dropped + (up.dropped if self.eviction is None else 0),
     )
     if self.eviction is None:
-      return table, Claim(up.found, up.admitted, up.row, up.first, None)
-    # With an eviction policy, the new keys that do not fit evict instead of being dropped.
+      return table._stamped(up.row, up.admitted), Claim(up.found, up.admitted, up.row, up.first, None)
+    # With an eviction policy, the new keys that do not fit evict instead of being dropped, and
+    # every key named gets a new score.
     to_evict = active & ~up.found & ~up.admitted
-    return table._claim_evicting(
+    table, claim = table._claim_evicting(
       words, up.found, up.admitted, to_evict, up.slot, up.row, up.first, given_scores, mode, weights
     )
+    return table._stamped(claim.row, claim.found | claim.placed), claim
 
   def _write_values(self, words, leaves, claim: Claim, mode):
     """The values of an insert or find_or_insert whose keys have rows: ``(table, out)``."""
@@ -458,6 +480,22 @@ def _jit_live(table: OpenAddressingTable) -> jax.Array:
 
 
 @jax.jit
+def _jit_changed(table: OpenAddressingTable, since) -> tuple[jax.Array, jax.Array]:
+  """The live slots and the live slots whose row was stamped at or after ``since``, as packed bits."""
+  live = table._slots()[1]
+  rows = table._row_of(jnp.arange(table.num_slots, dtype=jnp.int32))
+  changed = live & (table.row_stamps[jnp.where(live, rows, 0)] >= since)
+  return jnp.packbits(live), jnp.packbits(changed)
+
+
+@jax.jit
+def _jit_entries_at(table: OpenAddressingTable, slots) -> tuple:
+  """``(words, leaves, scores)`` of the entries at ``slots``."""
+  words, _ = table._slots_at(slots)
+  return words, table._read(slots), table._scores_at(slots)
+
+
+@jax.jit
 def _jit_place(table: OpenAddressingTable, words, leaves, given_scores, slots, valid) -> OpenAddressingTable:
   return table._place_rows(words, leaves, given_scores, slots, valid)
 
@@ -468,5 +506,5 @@ def _empty(capacity, key_spec, value_spec, default, bucket_size, eviction):
     buckets=jnp.zeros((layout.num_buckets, layout.record_width), jnp.uint32),
     free_rows=jnp.arange(capacity, dtype=jnp.int32),
     bucket_size=bucket_size,
-    **empty_fields(capacity, key_spec, value_spec, default, layout.num_slots, eviction),
+    **empty_fields(capacity, key_spec, value_spec, default, layout.num_slots, eviction, stamps=True),
   )

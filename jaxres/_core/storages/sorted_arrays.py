@@ -64,6 +64,7 @@ class SortedTable(Storage):
   values: tuple  # leaves [capacity, *storage_shape]
   default: tuple  # leaves [*storage_shape]
   slot_scores: jax.Array  # uint32[0]: a sorted table does not evict
+  row_stamps: jax.Array  # uint32[0]: entries move, a save writes them all
   size: jax.Array  # shape=(), dtype=int32
   dropped: jax.Array  # shape=(), dtype=int32
   clock: jax.Array  # shape=(), dtype=uint32

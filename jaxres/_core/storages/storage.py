@@ -31,13 +31,16 @@ from jaxres._core.policies import Policy
 from jaxres._core.table import Table
 
 
-def empty_fields(capacity: int, key_spec, value_spec, default, slots: int, eviction: Policy | None) -> dict:
-  """The fields every storage starts with: no entries, ``capacity`` value rows, and a score per
-  slot when the table evicts."""
+def empty_fields(
+  capacity: int, key_spec, value_spec, default, slots: int, eviction: Policy | None, stamps: bool = False
+) -> dict:
+  """The fields every storage starts with: no entries, ``capacity`` value rows, a score per
+  slot when the table evicts, and a stamp per value row where ``stamps`` (see ``Storage``)."""
   return {
     "values": tuple(value_spec.empty((capacity,))),
     "default": tuple(default),
     "slot_scores": jnp.zeros((slots if eviction is not None else 0,), jnp.uint32),
+    "row_stamps": jnp.zeros((capacity if stamps else 0,), jnp.uint32),
     "size": jnp.zeros((), jnp.int32),
     "dropped": jnp.zeros((), jnp.int32),
     "clock": jnp.zeros((), jnp.uint32),
@@ -50,9 +53,16 @@ def empty_fields(capacity: int, key_spec, value_spec, default, slots: int, evict
 
 
 class Storage(Table):
-  """A table held in one set of arrays: the row operations, written once over four primitives."""
+  """A table held in one set of arrays: the row operations, written once over four primitives.
+
+  A storage whose entries keep their slots (open addressing) stamps each value
+  row with the :attr:`clock` of the call that last changed its entry (its key
+  placed, its value written or its score set), so that :meth:`changes` finds
+  what changed since a clock without a log: O(batch) per call.
+  """
 
   slot_scores: jax.Array  # uint32[num_slots] with an eviction policy, else uint32[0]
+  row_stamps: jax.Array  # uint32[capacity] where entries keep their slots, else uint32[0]
 
   def _tick(self) -> Storage:
     return dataclasses.replace(self, clock=self.clock + jnp.uint32(1))
@@ -113,7 +123,7 @@ class Storage(Table):
     heads = named & (first == jnp.arange(words.shape[0], dtype=jnp.int32))
     drop = self.slot_scores.shape[0]
     scores = self.slot_scores.at[jnp.where(heads, slot, drop)].set(score, mode="drop")
-    return dataclasses.replace(self, slot_scores=scores)
+    return dataclasses.replace(self, slot_scores=scores)._stamped(self._row_of(slot), heads)
 
   def _find_rows(self, words):
     found, slot = self._locate(words)
@@ -215,11 +225,21 @@ class Storage(Table):
     """Writes value ``row``s (distinct where ``mask``) with ``leaves`` where ``mask``."""
     index = jnp.where(mask, row, self.capacity)
     values = tuple(v.at[index].set(x, mode="drop") for v, x in zip(self.values, leaves))
-    return dataclasses.replace(self, values=values)
+    return dataclasses.replace(self, values=values)._stamped(row, mask)
 
   def _put_last(self, row, leaves, mask) -> Storage:
     """Writes value ``row``s with ``leaves`` where ``mask``; of the rows naming one row, the last wins."""
-    return dataclasses.replace(self, values=tuple(write_rows(self.values, row, leaves, mask)))
+    table = dataclasses.replace(self, values=tuple(write_rows(self.values, row, leaves, mask)))
+    return table._stamped(row, mask)
+
+  def _stamped(self, row, mask) -> Storage:
+    """Stamps value ``row``s with the clock where ``mask`` (every row writes the same clock, so
+    repeated rows agree); a storage without stamps is returned as it is."""
+    size = self.row_stamps.shape[0]
+    if not size:
+      return self
+    stamps = self.row_stamps.at[jnp.where(mask, row, size)].set(self.clock, mode="drop")
+    return dataclasses.replace(self, row_stamps=stamps)
 
   def _compact(self):
     words, live = self._slots()
