@@ -9,7 +9,8 @@ row operations (``_lookup_rows``, ``_upsert_rows``, ``_apply_rows``,
 ``_remove_rows``, ...), which each kind of table implements: the storages
 (:mod:`jaxres._core.storages`) in their arrays, a sharded table by routing each
 row to the storage that owns its key. Calls that change a table advance its
-``clock`` once (``_tick``).
+``clock`` once (``_tick``); ``assign`` and ``write_rows`` leave it, and stamp
+what they change as the next call will (see ``Table.changes``).
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ def upsert(
 
 @mutation()
 def assign(table: RowProtocol, words, leaves, active):
-  return table._assign_rows(words, leaves, active)
+  return table._tick()._assign_rows(words, leaves, active)._carry(table)  # stamped as the next call
 
 
 @mutation()
@@ -223,7 +224,7 @@ def read_rows(table: RowProtocol, index, defaults):
 
 @mutation()
 def write_rows(table: RowProtocol, index, leaves, active):
-  return table._write_rows(index, leaves, active)
+  return table._tick()._write_rows(index, leaves, active)._carry(table)  # stamped as the next call
 
 
 @functools.partial(jax.jit, static_argnames=("size",))

@@ -699,13 +699,15 @@ class Table(RowProtocol):
     )
 
   def changes(self, since) -> Changes | None:
-    """The entries changed at or after the clock ``since``, and which slots are live: a delta.
+    """The entries changed after the clock read ``since``, and which slots are live: a delta.
 
     Every call that changes an entry (places its key, writes its value or sets
-    its score) stamps the entry with the table's :attr:`clock`, O(batch); this
-    reads the stamps and the live slots (O(capacity) bits) and fetches the
-    changed entries only. A change made while the clock read ``since`` is
-    included, so ``changes(t.clock)`` after noting ``t.clock`` misses nothing.
+    its score) stamps the entry with the table's :attr:`clock` after the call
+    (``assign`` and ``write_rows``, which leave the clock, with the clock the
+    next call will have), O(batch); this reads the stamps and the live slots
+    (O(capacity) bits) and fetches the changed entries only. So
+    ``changes(c)``, with ``c`` the clock noted earlier, misses nothing (it may
+    also give entries that ``assign`` or ``write_rows`` wrote just before).
     ``None`` for a storage whose entries move (a sorted table): save it whole.
 
     Args:
@@ -721,9 +723,9 @@ class Table(RowProtocol):
       >>> t = t.insert(jnp.array([2]), jnp.array([2.0]))  # clock 2
       >>> mark = int(t.clock)
       >>> t = t.insert(jnp.array([3]), jnp.array([3.0])).remove(jnp.array([1]))
-      >>> changed = t.changes(mark)  # 2 was written at clock 2: included
+      >>> changed = t.changes(mark)  # 3 inserted; 1 removed: its slot is no longer live
       >>> changed.entries.keys.tolist(), int(changed.live.sum())
-      ([2, 3], 2)
+      ([3], 2)
     """
     del since
     return None

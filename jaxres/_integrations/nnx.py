@@ -69,6 +69,9 @@ class VariableHandle(handles.Handle):
   def arrays(self):
     return self._value.arrays()
 
+  def changes(self, since):
+    return self._value.changes(since)
+
   def holds_values(self) -> bool:
     return True
 

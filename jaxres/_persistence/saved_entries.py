@@ -18,6 +18,11 @@ from before blocks stored shard ``i`` under ``shards/<i>/``; blocks are read
 through that form.) Every form restores into any table with the same keys and
 values, whatever its capacity or number of shards.
 
+A *delta* (an incremental save, see :func:`delta_to_arrays`) holds the
+entries changed since an earlier save, in the same names, and ``live``: which
+slots hold an entry now, as packed bits; :func:`compose` applies it to the
+arrays of that earlier save.
+
 An open-addressing table also stores where each entry sits (``slots``,
 ``int32[n]``) and the shape those numbers refer to (``layout``). Restored
 into a table of that same shape, the entries go back to their slots, so the
@@ -47,6 +52,8 @@ _SHARD = re.compile(r"shards/(\d+)/(.+)")
 Entries = tuple[np.ndarray, list[np.ndarray], np.ndarray | None, np.ndarray | None]
 _COUNTERS = ("clock", "evictions")
 _LAYOUT = "layout"
+_LIVE = "live"
+_PER_ENTRY = ("keys", "values", "scores", "slots")
 _COUNTS = "counts"
 _BLOCK = "blocks/"
 
@@ -95,6 +102,48 @@ def to_arrays(
   if layout is not None:
     out[_LAYOUT] = np.asarray(layout, np.int64)
   return out
+
+
+def delta_to_arrays(
+  entries: Entries, live: np.ndarray, value_spec: ValueSpec, counters: dict | None, layout
+) -> dict[str, np.ndarray]:
+  """The named arrays of a delta: the changed ``entries`` (with their slots) and ``live``
+  (``bool[num_slots]``, the slots holding an entry now)."""
+  return to_arrays(entries, value_spec, counters, layout) | {_LIVE: np.packbits(live)}
+
+
+def is_delta(arrays) -> bool:
+  """Whether ``arrays`` are a delta's (to :func:`compose` with an earlier save's)."""
+  return _LIVE in arrays
+
+
+def compose(earlier: dict[str, np.ndarray], delta: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """The arrays of the table ``delta`` was taken from, given ``earlier``: the arrays of the save the
+  delta follows (whole ones, with slots). The entries whose slot is no longer live, or holds a
+  changed entry, leave; the changed entries come in; entries come out in slot order.
+
+  Raises:
+    ValueError: ``earlier`` holds no slots, or the two disagree on the entries' names or layout.
+  """
+  if "slots" not in earlier or sorted(earlier) != sorted(n for n in delta if n != _LIVE):
+    raise ValueError(
+      f"a delta with arrays {sorted(delta)} does not follow a save of arrays {sorted(earlier)} (corrupted)."
+    )
+  if not np.array_equal(earlier.get(_LAYOUT), delta.get(_LAYOUT)):
+    raise ValueError("a delta of another slot layout than the save it follows (corrupted).")
+  live = np.unpackbits(np.asarray(delta[_LIVE], np.uint8)).astype(bool)
+  slots = np.asarray(earlier["slots"], np.int64)
+  if len(slots) and slots.max() >= len(live):
+    raise ValueError("a delta's live slots do not cover the save it follows (corrupted).")
+  keep = live[slots] & ~np.isin(slots, delta["slots"])
+  out = {}
+  for name, array in delta.items():
+    if field_of(name) in _PER_ENTRY:
+      out[name] = np.concatenate([np.asarray(earlier[name])[keep], array])
+    elif name != _LIVE:
+      out[name] = array
+  order = np.argsort(out["slots"], kind="stable")
+  return {name: array[order] if field_of(name) in _PER_ENTRY else array for name, array in out.items()}
 
 
 def to_blocks(blocks: dict, counts: np.ndarray, key_spec: KeySpec, value_spec: ValueSpec, **extra) -> dict:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,32 @@ def _(table: ShardedTable) -> dict:
   return saved_entries.to_blocks(
     blocks, counts, table.key_spec, table.value_spec, counters=counters, layout=table.slot_layout
   )
+
+
+class Mark(NamedTuple):
+  """Where a table stood when it was saved: what a later delta is taken against."""
+
+  clock: int
+  layout: tuple[int, ...]
+
+
+def changes(table: Table, since: Mark | None) -> tuple[Mark | None, dict[str, np.ndarray] | None]:
+  """``(mark, delta)``: the table's mark now (``None`` when it cannot give deltas), and the arrays
+  of what changed since ``since`` (:func:`saved_entries.delta_to_arrays`), or ``None`` when the
+  table must be saved whole: no ``since``, another slot layout (the table grew or was replaced),
+  a clock that went back, or a storage that gives no changes (sorted, sharded)."""
+  layout = table.slot_layout
+  if layout is None:
+    return None, None
+  mark = Mark(int(table.clock), tuple(int(x) for x in layout))
+  if since is None or since.layout != mark.layout or since.clock > mark.clock:
+    return mark, None
+  delta = table.changes(since.clock)
+  if delta is None:
+    return None, None
+  counters = None if table.eviction is None else {"clock": table.clock, "evictions": table.evictions}
+  counters = jax.device_get(counters)
+  return mark, saved_entries.delta_to_arrays(delta.entries, delta.live, table.value_spec, counters, layout)
 
 
 def from_arrays(table: Table, arrays) -> Table:

@@ -143,6 +143,9 @@ class LookupTable(Resource):
   def _serialize_to_arrays(self) -> dict[str, np.ndarray]:
     return table_arrays.to_arrays(self.state)  # live entries only (not the lost-in-jit report)
 
+  def _serialize_changes_to_arrays(self, since):
+    return table_arrays.changes(self.state, since)
+
   def _restore_from_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
     """Makes the checkpointed entries the contents, all checked before the state changes (the
     undo of :meth:`Resource._prepare_restore` puts the state from before back)."""

@@ -16,6 +16,13 @@ The tracking layer calls them through two more, whose defaults serve every kind:
 * ``_holds_arrays()``: whether the object has arrays of its own (a restore
   reports an object that has, and that the checkpoint lacks).
 
+an object whose state can be saved as a delta (incremental saves) says so:
+
+* ``_serialize_changes_to_arrays(since) -> (mark, arrays)``: where it stands
+  now (any value the next call gets back as ``since``, ``None``: no deltas)
+  and its state as a delta since ``since``, ``arrays`` ``None`` to be saved
+  whole (the default: always whole);
+
 and an object that holds children may say how they are put in place:
 
 * ``_replace_trackable_child(name, value)``: a restored value (an array, a
@@ -83,6 +90,13 @@ class Trackable:
   def _serialize_to_arrays(self) -> Mapping[str, Any]:
     """This object's own state as ``{name: array}`` (NumPy or JAX arrays; children excluded)."""
     return {}
+
+  def _serialize_changes_to_arrays(self, since: Any) -> tuple[Any, Mapping[str, Any] | None]:
+    """``(mark, delta)``: for an incremental save, where the state stands now and what changed since
+    the ``mark`` of the previous save (``since``; ``None``: none). By default ``(None, None)``:
+    saved whole every time."""
+    del since
+    return None, None
 
   def _restore_from_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
     """Puts back the state :meth:`_serialize_to_arrays` saved (NumPy arrays, read and checked).

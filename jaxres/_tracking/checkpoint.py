@@ -149,7 +149,7 @@ class Checkpoint(AutoTrackable):
 
 def collect(root: Any) -> tuple[dict, dict]:
   """``(manifest, arrays)`` of the graph below ``root`` now (arrays copied to the host)."""
-  nodes, arrays = saving.collect(root)
+  nodes, arrays, _ = saving.collect(root)
   return manifest.build(nodes, orbax_io.specs(arrays)), arrays
 
 

@@ -1,12 +1,14 @@
-"""``CheckpointManager``: numbered, atomic checkpoints of one :class:`Checkpoint`."""
+"""``CheckpointManager``: numbered, atomic checkpoints of one :class:`Checkpoint`, whole or incremental."""
 
 from __future__ import annotations
 
-import os
+import functools
+
+import jax
 
 from jaxres._errors import check_int
-from jaxres._tracking import manifest, restoring
-from jaxres._tracking.checkpoint import Checkpoint, collect
+from jaxres._tracking import increments, manifest, orbax_io, restoring, saving
+from jaxres._tracking.checkpoint import Checkpoint
 from jaxres._tracking.orbax_io import StepStore, absolute_path
 from jaxres._tracking.status import LoadStatus
 
@@ -20,10 +22,27 @@ class CheckpointManager:
   ``max_to_keep`` newest steps. With several processes (``jax.distributed``)
   every process calls each method together, as for :class:`Checkpoint`.
 
+  **Incremental saves** (``incremental=True``): the first save, every
+  ``full_every``-th one and ``save(step, full=True)`` write everything; the
+  others write only what changed since the step before: the entries of
+  open-addressing tables (stateful or functional, an embedding's rows with
+  their optimizer state and scores) inserted, changed, evicted or removed,
+  and the other arrays whose contents changed. Their size follows what
+  training touched, not the tables. ``restore(step)`` reads the steps a step
+  needs and gives exactly the state a whole save would have; ``max_to_keep``
+  keeps the steps that kept steps need. The first save after the manager is
+  made or restores is whole. Sorted and sharded tables are saved whole in
+  every step (for now), as are the saves of several processes.
+
   Args:
     directory: where the numbered checkpoints live.
     checkpoint: the :class:`Checkpoint` to save and restore.
-    max_to_keep: keep only this many newest steps (``None``: keep all).
+    max_to_keep: keep only this many newest steps (``None``: keep all), and
+      the steps they need.
+    incremental: save what changed since the step before (see above).
+    full_every: with ``incremental``, every this many saves is whole (``None``:
+      only the first and those asked for), so that a chain stays short and old
+      steps can go.
 
   Examples:
     >>> import tempfile, jax.numpy as jnp, jaxres as jr
@@ -40,60 +59,169 @@ class CheckpointManager:
     >>> int(root.step)
     2
     >>> manager.close()
+
+    Incremental saves of a table:
+
+    >>> import numpy as np
+    >>> root.table = jr.MutableHashTable(np.int64, np.float32, default_value=0.0, initial_capacity=4096)
+    >>> manager = jr.CheckpointManager(tempfile.mkdtemp(), jr.Checkpoint(model=root), incremental=True)
+    >>> root.table.insert(np.arange(1000), np.ones(1000, np.float32))
+    >>> manager.save(0)  # whole: 1000 entries
+    >>> root.table.insert(np.array([5, 2000]), np.array([7.0, 8.0], np.float32))
+    >>> manager.save(1)  # the 2 entries that changed
+    >>> [a["shape"] for e in jr.inspect_checkpoint(manager.step_path(1)) if e["path"] == "model/table"
+    ...  for a in e["arrays"] if a["name"] == "keys"]
+    [[2]]
+    >>> root.table.remove(np.array([5]))
+    >>> _ = manager.restore(1)
+    >>> root.table.find(np.array([5, 2000])).tolist()
+    [7.0, 8.0]
+    >>> manager.close()
   """
 
-  def __init__(self, directory, checkpoint: Checkpoint, max_to_keep: int | None = None):
+  def __init__(
+    self,
+    directory,
+    checkpoint: Checkpoint,
+    max_to_keep: int | None = None,
+    *,
+    incremental: bool = False,
+    full_every: int | None = None,
+  ):
     if not isinstance(checkpoint, Checkpoint):
       raise TypeError(f"checkpoint: expected a jr.Checkpoint, got {type(checkpoint).__name__}.")
     if max_to_keep is not None:
       max_to_keep = check_int(max_to_keep, "max_to_keep", low=1)
+    if not isinstance(incremental, bool):
+      raise TypeError(f"incremental: expected a bool, got {incremental!r}.")
+    if full_every is not None:
+      if not incremental:
+        raise ValueError("full_every: only incremental saves (incremental=True) have saves that are not full.")
+      full_every = check_int(full_every, "full_every", low=1)
     self.directory = absolute_path(directory, "directory")
     self.checkpoint = checkpoint
-    self._store = StepStore(self.directory, max_to_keep)
+    self._incremental = incremental and jax.process_count() == 1
+    self._max_to_keep, self._full_every = max_to_keep, full_every
+    # Incremental: the manager prunes, keeping the steps that kept steps need.
+    self._store = StepStore(self.directory, None if self._incremental else max_to_keep)
+    self._written: increments.Written | None = None  # the step the next one is written against
+    self._saves_since_full = 0
+    self._needs: dict[int, list[int]] = {}
 
-  def save(self, step: int) -> None:
+  def save(self, step: int, full: bool | None = None) -> None:
     """Saves the checkpoint's objects as ``step`` (returns once the arrays are copied).
+
+    Args:
+      step: the step number (a new one).
+      full: with ``incremental=True``, ``True`` writes everything (``None``:
+        as ``full_every`` says).
 
     Raises:
       TypeError: ``step`` is not an int, or an object cannot be checkpointed.
       ValueError: ``step`` is negative or already saved.
+      OSError: the step before failed to be written (nothing of it was kept);
+        the next save is whole.
     """
     step = check_int(step, "step", low=0)
+    if full is not None and not isinstance(full, bool):
+      raise TypeError(f"full: expected a bool or None, got {full!r}.")
+    self._settle()
     if step in self._store.all_steps():
       raise ValueError(f"step: {step} is already saved in {self.directory}.")
-    self._store.save(step, *collect(self.checkpoint.root))
+    if not self._incremental:
+      nodes, arrays, _ = saving.collect(self.checkpoint.root)
+      self._store.save(step, manifest.build(nodes, orbax_io.specs(arrays)), arrays)
+      return
+    previous = self._written
+    whole = full or previous is None or previous.step > step or self._saves_since_full == self._full_every
+    nodes, arrays, marks = saving.collect(self.checkpoint.root, since={} if whole else previous.marks)
+    specs = orbax_io.specs(arrays)
+    if whole:
+      contents, written = increments.whole(step, nodes, specs, marks)
+    else:
+      contents, arrays, written = increments.incremental(step, nodes, arrays, specs, marks, previous)
+    self._written = None  # until the step is written
+    self._store.save(step, contents, arrays)
+    self._written = written
+    self._needs[step] = increments.needs(contents)
+    self._saves_since_full = 1 if whole else self._saves_since_full + 1
 
   def restore(self, step: int | None = None) -> LoadStatus:
     """Restores ``step`` (the latest when ``None``) into the checkpoint's objects.
+
+    An incremental step is read with the steps it needs, into exactly the
+    state a whole save would have restored.
 
     Raises:
       ValueError: there is no such step, or the checkpoint is unreadable or
         of another structure (see :meth:`Checkpoint.restore`).
     """
-    steps = self._store.all_steps()
+    steps = self.all_steps()
     if step is None:
       if not steps:
         raise ValueError(f"{self.directory}: no checkpoint to restore.")
       step = steps[-1]
     if step not in steps:
       raise ValueError(f"step: {step} is not among the saved steps {steps}.")
-    label = os.path.join(self.directory, str(step))
-    contents, arrays = self._store.load(step, manifest.check)
-    return restoring.restore(self.checkpoint.root, manifest.Reader(contents, arrays, label))
+    check = functools.partial(manifest.check, incremental=True)
+    contents, arrays = increments.materialize(step, lambda s: self._store.load(s, check))
+    self._written = None  # the objects now hold another state than the step written last
+    return restoring.restore(self.checkpoint.root, manifest.Reader(contents, arrays, self.step_path(step)))
+
+  def step_path(self, step: int) -> str:
+    """The directory of ``step`` (which ``jr.inspect_checkpoint`` opens).
+
+    Raises:
+      ValueError: ``step`` is not saved.
+    """
+    if step not in self.all_steps():
+      raise ValueError(f"step: {step} is not among the saved steps {self.all_steps()}.")
+    return self._store.path(step)
 
   def latest_step(self) -> int | None:
     """The newest complete step, or ``None``."""
-    steps = self._store.all_steps()
+    steps = self.all_steps()
     return steps[-1] if steps else None
 
   def all_steps(self) -> list[int]:
     """The complete steps, oldest first."""
+    self._settle()
     return self._store.all_steps()
 
   def wait_until_finished(self) -> None:
     """Blocks until every asynchronous save has been written."""
-    self._store.wait()
+    self._settle()
 
   def close(self) -> None:
     """Waits for pending saves and releases Orbax's resources."""
-    self._store.close()
+    try:
+      self._settle()
+    finally:
+      self._store.close()
+
+  def _settle(self) -> None:
+    """Waits for the pending save; with incremental saves, then removes the steps no kept step needs.
+
+    A failed save raises (``OSError``) and makes the next one whole.
+    """
+    try:
+      self._store.wait()
+    except OSError:
+      self._written = None
+      raise
+    if not self._incremental or self._max_to_keep is None:
+      return
+    steps = self._store.all_steps()
+    kept = set(steps[-self._max_to_keep :])
+    for step in list(kept):
+      kept.update(self._steps_needed(step))
+    for step in steps:
+      if step not in kept:
+        self._store.delete(step)
+        self._needs.pop(step, None)
+
+  def _steps_needed(self, step: int) -> list[int]:
+    if step not in self._needs:
+      contents = orbax_io.read_manifest(self._store.path(step))
+      self._needs[step] = increments.needs(contents if isinstance(contents, dict) else {})
+    return self._needs[step]

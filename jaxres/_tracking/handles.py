@@ -95,6 +95,13 @@ class Handle:
     """Whether the object may hold arrays of its own (else only its children do)."""
     return False
 
+  def changes(self, since: Any) -> tuple[Any, Mapping[str, Any] | None]:
+    """``(mark, delta)`` for an incremental save: where the object stands now (``None``: it gives no
+    deltas) and its arrays as a delta since the ``mark`` of the previous save, ``since`` (``delta``
+    ``None``: save :meth:`arrays` whole)."""
+    del since
+    return None, None
+
   def restore(self, arrays: Mapping[str, np.ndarray]) -> tuple[Any, Commit | None]:
     """Checks ``arrays``; returns the object for this place afterwards, and the commit that changes it.
 
@@ -135,6 +142,9 @@ class TrackableHandle(Handle):
   def arrays(self) -> Mapping[str, Any]:
     return self.obj._serialize_to_arrays()
 
+  def changes(self, since):
+    return self.obj._serialize_changes_to_arrays(since)
+
   def holds_values(self) -> bool:
     return self.obj._holds_arrays()
 
@@ -171,6 +181,9 @@ class TableHandle(Handle):
 
   def arrays(self):
     return table_arrays.to_arrays(self.obj)
+
+  def changes(self, since):
+    return table_arrays.changes(self.obj, since)
 
   def holds_values(self) -> bool:
     return True

@@ -12,7 +12,9 @@ def inspect_checkpoint(path) -> list[dict]:
   ``table``, ``resource``, ``nnx``, ``array``, ``pytree``, ``list``, ``tuple``,
   ``dict``, ...; ``alias`` for a second path of an object saved elsewhere),
   ``type`` (its class), and ``arrays``: a list of ``{"name", "shape",
-  "dtype"}``. An alias entry names the path it shares (``of``).
+  "dtype"}``. An alias entry names the path it shares (``of``). In an
+  incremental step, an object saved as what changed since the step before has
+  ``"delta": True``, and an array kept from an earlier step names it (``"step"``).
 
   Args:
     path: a checkpoint directory (``Checkpoint.save``'s, or a
@@ -32,7 +34,7 @@ def inspect_checkpoint(path) -> list[dict]:
     [{'name': 'value', 'shape': [], 'dtype': 'int32'}]
   """
   directory = orbax_io.absolute_path(path)
-  contents = manifest.check(orbax_io.read_manifest(directory), directory)
+  contents = manifest.check(orbax_io.read_manifest(directory), directory, incremental=True)
   specs = contents["arrays"]
   entries = []
   for node_path, node in sorted(contents["nodes"].items()):
@@ -44,7 +46,9 @@ def inspect_checkpoint(path) -> list[dict]:
       continue
     arrays = [
       {"name": name, "shape": specs[key]["shape"], "dtype": specs[key]["dtype"]}
+      | ({"step": specs[key]["step"]} if "step" in specs[key] else {})
       for name, key in node["arrays"].items()
     ]
-    entries.append({"path": node_path, "kind": node["kind"], "type": node["type"], "arrays": arrays})
+    entry = {"path": node_path, "kind": node["kind"], "type": node["type"], "arrays": arrays}
+    entries.append(entry | ({"delta": True} if node.get("delta") else {}))
   return entries

@@ -9,6 +9,12 @@ One node per object path::
 with shape, dtype and checksum, under the manifest's ``arrays``);
 ``children`` are relative paths. An object reached through a second path is
 saved once: that path's node is ``{"alias": "<first path>"}``.
+
+An incremental step of a ``CheckpointManager`` (version 3, see
+:mod:`increments`) adds ``"parent"`` (the step its deltas follow) and
+``"needs"`` (every step it reads from); a node saved as a delta has
+``"delta": true``, and an array kept from an earlier step is described with
+``"step"`` and ``"key"``: where it is stored.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from jaxres._tracking import paths
 
 FORMAT = "jaxres.checkpoint"
 VERSION = 2
+INCREMENTAL = 3  # an incremental step of a CheckpointManager, read through the steps it needs
 
 
 def build(nodes: dict[str, dict], specs: dict[str, dict]) -> dict:
@@ -30,16 +37,25 @@ def build(nodes: dict[str, dict], specs: dict[str, dict]) -> dict:
   return {"format": FORMAT, "version": VERSION, "nodes": nodes, "arrays": specs}
 
 
-def check(manifest: Any, label: str) -> dict:
+def check(manifest: Any, label: str, incremental: bool = False) -> dict:
   """``manifest`` if it is a well-formed manifest of the version this jaxres reads.
 
+  ``incremental``: an incremental step may be read (by the manager, which
+  reads the steps it needs too, or to inspect it).
+
   Raises:
-    ValueError: another format, another version, or a malformed graph.
+    ValueError: another format, another version, a malformed graph, or an
+      incremental step where a whole checkpoint is needed.
   """
   if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
     raise ValueError(f"{label}: not a jaxres checkpoint manifest.")
   version = manifest.get("version")
-  if not isinstance(version, int) or version > VERSION:
+  if version == INCREMENTAL and not incremental:
+    raise ValueError(
+      f"{label}: an incremental step of a jr.CheckpointManager, which holds what changed since step "
+      f"{manifest.get('parent')}; restore it with the manager's restore(step)."
+    )
+  if not isinstance(version, int) or version > INCREMENTAL:
     raise ValueError(f"{label}: format version {version!r} is newer than this jaxres reads ({VERSION}).")
   if version < VERSION:
     raise ValueError(

@@ -133,7 +133,7 @@ def _targets(specs: dict[str, dict]) -> dict:
   targets = {}
   for key, spec in specs.items():
     shape, dtype = tuple(spec["shape"]), np.dtype(spec["dtype"])
-    if not np.prod(shape, dtype=np.int64):
+    if not np.prod(shape, dtype=np.int64) or "step" in spec:  # empty, or stored in another step
       continue
     split = isinstance(spec.get("crc32"), list) and jax.process_count() > 1
     if split and jax.dtypes.canonicalize_dtype(dtype) == dtype:
@@ -147,6 +147,8 @@ def _fill(label: str, specs: dict[str, dict], restored: dict) -> dict[str, np.nd
   """Restored arrays checked against their specs; empty arrays recreated."""
   out = {}
   for key, spec in specs.items():
+    if "step" in spec:  # stored in another step (an incremental step's): read from there
+      continue
     if np.prod(spec["shape"], dtype=np.int64):
       if key not in restored:
         raise ValueError(f"{label}: array {key} is missing from the checkpoint.")
@@ -217,6 +219,13 @@ class StepStore:
   def all_steps(self) -> list[int]:
     self.wait()
     return sorted(self._manager.all_steps())
+
+  def delete(self, step: int) -> None:
+    self._manager.delete(step)
+
+  def path(self, step: int) -> str:
+    """The directory of ``step``."""
+    return self._label(step)
 
   def wait(self) -> None:
     """Blocks until pending saves are written; a failed one raises ``OSError`` (once)."""

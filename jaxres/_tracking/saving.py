@@ -7,6 +7,7 @@ its shortest (the first met) and its other paths become aliases.
 from __future__ import annotations
 
 import collections
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -20,11 +21,17 @@ from jaxres._tracking.handles import Handle, handle_for
 _SAVABLE = "biufc"  # bool, integer, float and complex arrays
 
 
-def collect(root: Any) -> tuple[dict[str, dict], dict[str, np.ndarray | jax.Array]]:
-  """``(nodes, arrays)`` of the graph below ``root``: manifest nodes and copies of the arrays.
+def collect(root: Any, since: Mapping[str, Any] | None = None) -> tuple[dict, dict, dict[str, Any]]:
+  """``(nodes, arrays, marks)`` of the graph below ``root``: manifest nodes and copies of the arrays.
 
   Copies, for the save may finish asynchronously, after a jitted update donated the source: on the
   host, except arrays split by rows over several processes (see :func:`processes.host_copies`).
+
+  ``since``: an incremental save, given the marks by path of the save before
+  (``{}``: none, save whole). Objects that give deltas are saved as what
+  changed since their mark (their node says ``"delta"``) and their new marks
+  are returned; without ``since`` every object is saved whole and ``marks``
+  is empty.
 
   Raises:
     TypeError: naming the path of an object that is reachable but cannot be
@@ -35,6 +42,7 @@ def collect(root: Any) -> tuple[dict[str, dict], dict[str, np.ndarray | jax.Arra
     raise TypeError(f"root: cannot checkpoint a {type(root).__name__}.")
   nodes: dict[str, dict] = {}
   arrays: dict[str, Any] = {}
+  marks: dict[str, Any] = {}
   named: dict[str, tuple[str, str]] = {}  # array key -> (path, array name)
   first_path: dict[int, str] = {}
   held = []  # keeps each shared object alive (and its id unique) during the walk
@@ -49,7 +57,14 @@ def collect(root: Any) -> tuple[dict[str, dict], dict[str, np.ndarray | jax.Arra
       held.append(handle.obj)
     node = {"kind": handle.kind, "type": handle.type, "arrays": {}, "children": []}
     try:
-      named_arrays = handle.arrays()
+      delta = None
+      if since is not None:
+        mark, delta = handle.changes(since.get(path))
+        if mark is not None:
+          marks[path] = mark
+      if delta is not None:
+        node["delta"] = True
+      named_arrays = delta if delta is not None else handle.arrays()
     except (TypeError, ValueError) as err:
       raise errors.at_path(path, err) from err
     for name, value in named_arrays.items():
@@ -83,7 +98,7 @@ def collect(root: Any) -> tuple[dict[str, dict], dict[str, np.ndarray | jax.Arra
       raise TypeError(
         f"{path}: array {name!r} has dtype {copy.dtype}; checkpoints hold numbers and bools only."
       )
-  return nodes, copies
+  return nodes, copies, marks
 
 
 def _handle(obj: Any, path: str) -> Handle | None:

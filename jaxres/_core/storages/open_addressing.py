@@ -481,10 +481,10 @@ def _jit_live(table: OpenAddressingTable) -> jax.Array:
 
 @jax.jit
 def _jit_changed(table: OpenAddressingTable, since) -> tuple[jax.Array, jax.Array]:
-  """The live slots and the live slots whose row was stamped at or after ``since``, as packed bits."""
+  """The live slots and the live slots whose row was stamped after ``since``, as packed bits."""
   live = table._slots()[1]
   rows = table._row_of(jnp.arange(table.num_slots, dtype=jnp.int32))
-  changed = live & (table.row_stamps[jnp.where(live, rows, 0)] >= since)
+  changed = live & (table.row_stamps[jnp.where(live, rows, 0)] > since)
   return jnp.packbits(live), jnp.packbits(changed)
 
 

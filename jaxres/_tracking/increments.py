@@ -1,0 +1,138 @@
+"""Incremental steps of a ``CheckpointManager``: what one writes after the step before, and how a step is
+read back whole.
+
+An incremental step writes, for each object that gives deltas (a table of
+open addressing, stateful or functional, an embedding's rows), only what
+changed since the step before (:func:`jaxres._persistence.table_arrays.changes`),
+and of the other arrays only those whose checksum changed: an unchanged array
+is described with the step and key it is stored under. Its manifest (version
+:data:`manifest.INCREMENTAL`) names its ``parent`` and every step it ``needs``.
+
+:func:`materialize` reads a step with the steps it needs into the manifest and
+arrays of a whole checkpoint, which restore as any other (deferred restore
+included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from jaxres._persistence import saved_entries
+from jaxres._tracking import manifest
+
+_LOCATION = ("step", "key")
+
+
+class Written(NamedTuple):
+  """What a manager knows of the step it wrote last, to write the next one against it."""
+
+  step: int
+  marks: dict[str, Any]  # object path -> the mark of its state (see Handle.changes)
+  stored: dict[tuple[str, str], tuple[dict, int, str]]  # (path, name) -> (spec, step, key) of the bytes
+  needs: tuple[int, ...]  # the steps that step reads from
+
+
+def whole(step: int, nodes: dict, specs: dict, marks: dict) -> tuple[dict, Written]:
+  """The manifest of a whole step, and what the next step is written against."""
+  return manifest.build(nodes, specs), Written(step, marks, _stored(step, nodes, specs), ())
+
+
+def incremental(
+  step: int, nodes: dict, arrays: dict, specs: dict, marks: dict, previous: Written
+) -> tuple[dict, dict, Written]:
+  """``(manifest, arrays to write, written)`` of a step after ``previous``: the nodes saved as deltas
+  are kept as they are, and arrays equal to those of the step before (same shape, dtype and
+  checksum, not a delta's) point to where those are stored instead of being written again."""
+  kept_specs, to_write = {}, dict(arrays)
+  for path, node in nodes.items():
+    for name, key in node.get("arrays", {}).items():
+      spec = specs[key]
+      before = previous.stored.get((path, name))
+      if not node.get("delta") and before is not None and before[0] == spec:
+        kept_specs[key] = spec | dict(zip(_LOCATION, before[1:]))
+        del to_write[key]
+  specs = specs | kept_specs
+  needs = tuple(sorted({previous.step, *previous.needs}))
+  contents = manifest.build(nodes, specs) | {
+    "version": manifest.INCREMENTAL,
+    "parent": previous.step,
+    "needs": list(needs),
+  }
+  return contents, to_write, Written(step, marks, _stored(step, nodes, specs), needs)
+
+
+def _stored(step: int, nodes: dict, specs: dict) -> dict:
+  """Where the bytes of each ``(path, array name)`` of a step are stored: ``(spec, step, key)``."""
+  stored = {}
+  for path, node in nodes.items():
+    for name, key in node.get("arrays", {}).items():
+      spec = {k: v for k, v in specs[key].items() if k not in _LOCATION}
+      location = (specs[key]["step"], specs[key]["key"]) if "step" in specs[key] else (step, key)
+      stored[(path, name)] = (spec, *location)
+  return stored
+
+
+def needs(contents: dict) -> list[int]:
+  """The steps a step's manifest reads from (none for a whole step)."""
+  return list(contents.get("needs", []))
+
+
+def materialize(step: int, load: Callable[[int], tuple[dict, dict]]) -> tuple[dict, dict]:
+  """The manifest and arrays of ``step`` as a whole checkpoint.
+
+  ``load(step)``: a step's own manifest (checked) and the arrays stored in it
+  (called once per step).
+
+  Raises:
+    ValueError: a step it needs is missing or does not fit it (corrupted).
+  """
+  loaded: dict[int, tuple[dict, dict]] = {}
+  made: dict[int, tuple[dict, dict]] = {}
+
+  def own(s: int) -> tuple[dict, dict]:
+    if s not in loaded:
+      loaded[s] = load(s)
+    return loaded[s]
+
+  def whole_of(s: int) -> tuple[dict, dict]:
+    if s in made:
+      return made[s]
+    contents, stored = own(s)
+    if contents["version"] != manifest.INCREMENTAL:
+      made[s] = contents, stored
+      return made[s]
+    arrays = {}
+    for key, spec in contents["arrays"].items():
+      arrays[key] = own(spec["step"])[1][spec["key"]] if "step" in spec else stored[key]
+    nodes = {}
+    for path, node in contents["nodes"].items():
+      if node.get("delta"):
+        node, arrays = _composed(path, node, arrays, whole_of(contents["parent"]), contents["parent"])
+      nodes[path] = node
+    specs = {key: {"shape": list(np.shape(a)), "dtype": str(np.asarray(a).dtype)} for key, a in arrays.items()}
+    made[s] = manifest.build(nodes, specs), arrays
+    return made[s]
+
+  return whole_of(step)
+
+
+def _composed(path: str, node: dict, arrays: dict, parent: tuple[dict, dict], parent_step: int) -> tuple:
+  """``(node, arrays)``: the node at ``path`` (a delta) as a whole one, its arrays composed with those
+  of the same path in the parent step (whole already)."""
+  parent_contents, parent_arrays = parent
+  earlier_node = parent_contents["nodes"].get(path)
+  if earlier_node is None or "alias" in earlier_node or earlier_node["kind"] != node["kind"]:
+    raise ValueError(f"{path or 'the root'}: a delta of nothing saved in step {parent_step} (corrupted).")
+  earlier = {name: parent_arrays[key] for name, key in earlier_node["arrays"].items()}
+  delta = {name: arrays[key] for name, key in node["arrays"].items()}
+  composed = saved_entries.compose(earlier, delta)
+  arrays = {key: a for key, a in arrays.items() if key not in node["arrays"].values()}
+  names = {}
+  for name, array in composed.items():
+    key = f"{path}:{name}"
+    arrays[key] = array
+    names[name] = key
+  return {k: v for k, v in node.items() if k != "delta"} | {"arrays": names}, arrays
