@@ -277,10 +277,16 @@ from test_faults import _graph
 mode, target = sys.argv[1], sys.argv[2]
 graph = _graph(0)
 checkpoint = jr.Checkpoint(model=graph)
-manager = jr.CheckpointManager(target, checkpoint) if mode == "manager" else None
+incremental = mode == "incremental"
+manager = None if mode == "overwrite" else jr.CheckpointManager(target, checkpoint, incremental=incremental)
 for step in range(1, 1000):
   fresh = _graph(step)
-  graph.step, graph.weights, graph.table = fresh.step, fresh.weights, fresh.table
+  graph.step, graph.weights = fresh.step, fresh.weights
+  if mode == "incremental":  # the table changed in place: its steps are deltas
+    graph.table.remove(graph.table.export()[0])
+    graph.table.insert(*fresh.table.export())
+  else:
+    graph.table = fresh.table
   print("saving", step, flush=True)
   if manager is None:
     checkpoint.save(target)
@@ -299,7 +305,7 @@ def _kill_during_a_save(mode: str, target, delay: float) -> tuple[int, int]:
     for word, step in progress(child.stdout):
       if word == "saved":
         saved = step
-      elif step >= 2:  # one complete step first, then kill during the next save
+      elif step >= (3 if mode == "incremental" else 2):  # complete steps first (a whole and a delta)
         in_flight = step
         time.sleep(delay)
         os.kill(child.pid, signal.SIGKILL)
@@ -316,7 +322,7 @@ def _trial(mode: str, target, delay: float) -> tuple[int, int, int]:
   """One kill, then a restore: ``(last saved, in flight, restored step)``."""
   saved, in_flight = _kill_during_a_save(mode, target, delay)
   fresh = _graph(0)
-  if mode == "manager":
+  if mode != "overwrite":
     manager = jr.CheckpointManager(target, jr.Checkpoint(model=fresh))
     manager.restore().assert_consumed()
     latest = manager.latest_step()
@@ -329,7 +335,7 @@ def _trial(mode: str, target, delay: float) -> tuple[int, int, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, trials", [("manager", 10), ("overwrite", 5)])
+@pytest.mark.parametrize("mode, trials", [("manager", 10), ("incremental", 6), ("overwrite", 5)])
 def test_sigkill_at_random_moments_never_loses_the_latest_checkpoint(tmp_path, mode, trials):
   # Saves take tens of milliseconds: kill 0-100 ms after one starts. Four
   # children at a time (each one spends seconds importing JAX).

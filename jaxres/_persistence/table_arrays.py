@@ -67,18 +67,23 @@ class Mark(NamedTuple):
 
   clock: int
   layout: tuple[int, ...]
+  lineage: int  # the empty table it derives from: another one's stamps do not compare
 
 
 def changes(table: Table, since: Mark | None) -> tuple[Mark | None, dict[str, np.ndarray] | None]:
   """``(mark, delta)``: the table's mark now (``None`` when it cannot give deltas), and the arrays
   of what changed since ``since`` (:func:`saved_entries.delta_to_arrays`), or ``None`` when the
-  table must be saved whole: no ``since``, another slot layout (the table grew or was replaced),
-  a clock that went back, or a storage that gives no changes (sorted, sharded)."""
+  table must be saved whole: no ``since``, another slot layout (the table grew), another lineage
+  (a table made empty anew: restored, imported, or not derived from the one saved), or a storage
+  that gives no changes (sorted, sharded)."""
   layout = table.slot_layout
-  if layout is None:
+  if layout is None or table.lineage is None:
     return None, None
-  mark = Mark(int(table.clock), tuple(int(x) for x in layout))
-  if since is None or since.layout != mark.layout or since.clock > mark.clock:
+  clock, lineage = jax.device_get((table.clock, table.lineage))
+  mark = Mark(int(clock), tuple(int(x) for x in layout), int(lineage))
+  if (
+    since is None or since.layout != mark.layout or since.lineage != mark.lineage or since.clock > mark.clock
+  ):
     return mark, None
   delta = table.changes(since.clock)
   if delta is None:

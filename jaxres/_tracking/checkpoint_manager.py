@@ -96,7 +96,9 @@ class CheckpointManager:
       raise TypeError(f"incremental: expected a bool, got {incremental!r}.")
     if full_every is not None:
       if not incremental:
-        raise ValueError("full_every: only incremental saves (incremental=True) have saves that are not full.")
+        raise ValueError(
+          "full_every: only incremental saves (incremental=True) have saves that are not full."
+        )
       full_every = check_int(full_every, "full_every", low=1)
     self.directory = absolute_path(directory, "directory")
     self.checkpoint = checkpoint

@@ -112,7 +112,9 @@ def materialize(step: int, load: Callable[[int], tuple[dict, dict]]) -> tuple[di
       if node.get("delta"):
         node, arrays = _composed(path, node, arrays, whole_of(contents["parent"]), contents["parent"])
       nodes[path] = node
-    specs = {key: {"shape": list(np.shape(a)), "dtype": str(np.asarray(a).dtype)} for key, a in arrays.items()}
+    specs = {
+      key: {"shape": list(np.shape(a)), "dtype": str(np.asarray(a).dtype)} for key, a in arrays.items()
+    }
     made[s] = manifest.build(nodes, specs), arrays
     return made[s]
 

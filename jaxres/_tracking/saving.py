@@ -10,9 +10,6 @@ import collections
 from collections.abc import Mapping
 from typing import Any
 
-import jax
-import numpy as np
-
 from jaxres import _errors as errors
 from jaxres._persistence import processes
 from jaxres._tracking import paths

@@ -65,6 +65,7 @@ class SortedTable(Storage):
   default: tuple  # leaves [*storage_shape]
   slot_scores: jax.Array  # uint32[0]: a sorted table does not evict
   row_stamps: jax.Array  # uint32[0]: entries move, a save writes them all
+  origin: jax.Array  # uint32: which empty table this one derives from (see Storage.lineage)
   size: jax.Array  # shape=(), dtype=int32
   dropped: jax.Array  # shape=(), dtype=int32
   clock: jax.Array  # shape=(), dtype=uint32
