@@ -54,6 +54,11 @@ def test_benchmark_harness_runs_on_tiny_sizes():
   ("module", "args", "rows"),
   [
     (
+      "deltas",
+      ["--rows", "4096", "--runs", "1"],
+      ["| 1% (40) | ", "| 50% (2,048) | ", "/ touched rows' bytes (goal <= 1.5)"],
+    ),
+    (
       "eviction",
       ["--scale", "0.003", "--calls", "3"],
       ["LRU hit ratio", "LFU: top-1,000 ids kept", "8 shards", "full LRU table", "bytes of scores per slot"],

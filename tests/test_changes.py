@@ -1,9 +1,9 @@
-"""What changed since a clock (``Table.changes``): a delta that, applied to the entries at the mark, gives
+"""What changed since a version (``Table.changes``): a delta that, applied to the entries at the mark, gives
 exactly the entries now, slot by slot (keys, values, scores), whatever the calls in between.
 
 A state machine drives random calls of every kind that changes a table (inserts that fill and evict,
 find_or_insert and its rows, insert_or_apply, assign, write_rows, assign_scores, remove, erase_if); at
-every step it marks the clock and keeps the entries by slot. The invariant composes the entries of
+every step it marks the version and keeps the entries by slot. The invariant composes the entries of
 each of the last marks with ``changes(mark)`` (drop the slots no longer live, overwrite the changed
 ones) and compares with ``live_entries()``.
 """
@@ -98,9 +98,9 @@ def machine_for(eviction, capacity):
     def every_mark_composes_to_now(self):
       """Each of the last marks (one after every step) composes with its delta to the entries now."""
       now = _by_slot(self.table.live_entries())
-      for clock, marked in self.marks[-4:]:
-        assert _compose(marked, self.table.changes(clock)) == now
-      self.marks.append((int(self.table.clock), now))
+      for version, marked in self.marks[-4:]:
+        assert _compose(marked, self.table.changes(version)) == now
+      self.marks.append((int(self.table.version), now))
 
   ChangesMachine.TestCase.settings = settings(
     max_examples=12, stateful_step_count=25, deadline=None, suppress_health_check=list(HealthCheck)
@@ -118,14 +118,15 @@ TestChangesCustomScore = machine_for(jr.CustomScore(), 8).TestCase
 def test_changes_fetch_only_what_changed():
   table = jr.OpenAddressingTable.create(1 << 12, key=jnp.int32, value=jnp.float32)
   table = table.insert(jnp.arange(1000), jnp.ones(1000))
-  mark = int(table.clock)
+  mark = int(table.version)
   table = table.insert(jnp.arange(2000, 2010), jnp.ones(10))
   changes = table.changes(mark)
   assert sorted(changes.entries.keys.tolist()) == list(range(2000, 2010))
   assert int(changes.live.sum()) == 1010 and changes.live.shape == (table.num_slots,)
-  assert table.changes(int(table.clock)).entries.keys.shape == (0,)
-  table = table.assign(jnp.arange(3), jnp.zeros(3))  # leaves the clock: stamped as the next call
-  assert sorted(table.changes(int(table.clock)).entries.keys.tolist()) == [0, 1, 2]
+  mark = int(table.version)
+  assert table.changes(mark).entries.keys.shape == (0,)
+  table = table.assign(jnp.arange(3), jnp.zeros(3))  # no score set: the clock stays, the version not
+  assert int(table.clock) == 2 and sorted(table.changes(mark).entries.keys.tolist()) == [0, 1, 2]
 
 
 def test_a_sorted_table_has_no_changes_to_give():

@@ -9,8 +9,8 @@ row operations (``_lookup_rows``, ``_upsert_rows``, ``_apply_rows``,
 ``_remove_rows``, ...), which each kind of table implements: the storages
 (:mod:`jaxres._core.storages`) in their arrays, a sharded table by routing each
 row to the storage that owns its key. Calls that change a table advance its
-``clock`` once (``_tick``); ``assign`` and ``write_rows`` leave it, and stamp
-what they change as the next call will (see ``Table.changes``).
+``clock`` and ``version`` once (``_tick``); ``assign`` and ``write_rows``, which
+set no score, only the version (``_advance``; see ``Table.changes``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,11 @@ class RowProtocol(abc.ABC):
 
   @abc.abstractmethod
   def _tick(self) -> RowProtocol:
-    """This table with its clock advanced by one call."""
+    """This table with its clock and version advanced by one call."""
+
+  @abc.abstractmethod
+  def _advance(self) -> RowProtocol:
+    """This table with its version advanced by one call (a call that sets no score)."""
 
   @abc.abstractmethod
   def _lookup_rows(self, words, defaults) -> tuple[list, jax.Array]:
@@ -188,7 +192,7 @@ def upsert(
 
 @mutation()
 def assign(table: RowProtocol, words, leaves, active):
-  return table._tick()._assign_rows(words, leaves, active)._carry(table)  # stamped as the next call
+  return table._advance()._assign_rows(words, leaves, active)
 
 
 @mutation()
@@ -224,7 +228,7 @@ def read_rows(table: RowProtocol, index, defaults):
 
 @mutation()
 def write_rows(table: RowProtocol, index, leaves, active):
-  return table._tick()._write_rows(index, leaves, active)._carry(table)  # stamped as the next call
+  return table._advance()._write_rows(index, leaves, active)
 
 
 @functools.partial(jax.jit, static_argnames=("size",))

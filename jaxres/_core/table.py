@@ -706,19 +706,18 @@ class Table(RowProtocol):
     return None
 
   def changes(self, since) -> Changes | None:
-    """The entries changed after the clock read ``since``, and which slots are live: a delta.
+    """The entries changed since the table's ``version`` read ``since``, and which slots are live.
 
-    Every call that changes an entry (places its key, writes its value or sets
-    its score) stamps the entry with the table's :attr:`clock` after the call
-    (``assign`` and ``write_rows``, which leave the clock, with the clock the
-    next call will have), O(batch); this reads the stamps and the live slots
-    (O(capacity) bits) and fetches the changed entries only. So
-    ``changes(c)``, with ``c`` the clock noted earlier, misses nothing (it may
-    also give entries that ``assign`` or ``write_rows`` wrote just before).
-    ``None`` for a storage whose entries move (a sorted table): save it whole.
+    Every call that changes a table advances its ``version`` (a uint32 count
+    of such calls, ``assign`` and ``write_rows`` included, where the
+    :attr:`clock` counts the calls that score) and stamps each entry it
+    changes (places its key, writes its value or sets its score) with it,
+    O(batch); this reads the stamps and the live slots (O(capacity) bits) and
+    fetches the changed entries only: a delta. ``None`` for a storage whose
+    entries move (a sorted table): save it whole.
 
     Args:
-      since: a clock value (an int, or a uint32 scalar).
+      since: a ``version`` noted earlier (an int, or a uint32 scalar).
 
     Returns:
       A :class:`Changes`, or ``None``.
@@ -726,9 +725,9 @@ class Table(RowProtocol):
     Examples:
       >>> import jax.numpy as jnp, jaxres as jr
       >>> t = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.float32)
-      >>> t = t.insert(jnp.array([1]), jnp.array([1.0]))  # clock 1
-      >>> t = t.insert(jnp.array([2]), jnp.array([2.0]))  # clock 2
-      >>> mark = int(t.clock)
+      >>> t = t.insert(jnp.array([1]), jnp.array([1.0]))
+      >>> t = t.insert(jnp.array([2]), jnp.array([2.0]))
+      >>> mark = int(t.version)
       >>> t = t.insert(jnp.array([3]), jnp.array([3.0])).remove(jnp.array([1]))
       >>> changed = t.changes(mark)  # 3 inserted; 1 removed: its slot is no longer live
       >>> changed.entries.keys.tolist(), int(changed.live.sum())

@@ -65,7 +65,7 @@ def _(table: ShardedTable) -> dict:
 class Mark(NamedTuple):
   """Where a table stood when it was saved: what a later delta is taken against."""
 
-  clock: int
+  version: int
   layout: tuple[int, ...]
   lineage: int  # the empty table it derives from: another one's stamps do not compare
 
@@ -79,13 +79,11 @@ def changes(table: Table, since: Mark | None) -> tuple[Mark | None, dict[str, np
   layout = table.slot_layout
   if layout is None or table.lineage is None:
     return None, None
-  clock, lineage = jax.device_get((table.clock, table.lineage))
-  mark = Mark(int(clock), tuple(int(x) for x in layout), int(lineage))
-  if (
-    since is None or since.layout != mark.layout or since.lineage != mark.lineage or since.clock > mark.clock
-  ):
+  version, lineage = jax.device_get((table.version, table.lineage))
+  mark = Mark(int(version), tuple(int(x) for x in layout), int(lineage))
+  if since is None or since[1:] != mark[1:] or since.version > mark.version:  # another layout or lineage
     return mark, None
-  delta = table.changes(since.clock)
+  delta = table.changes(since.version)
   if delta is None:
     return None, None
   counters = None if table.eviction is None else {"clock": table.clock, "evictions": table.evictions}

@@ -233,11 +233,13 @@ class ShardedTable(Table):
     return dataclasses.replace(self, parts=parts, capacity=capacity)
 
   def _tick(self):
-    return dataclasses.replace(self, parts=dataclasses.replace(self.parts, clock=self.parts.clock + 1))
+    return dataclasses.replace(self, parts=self.parts._tick())
+
+  def _advance(self):
+    return dataclasses.replace(self, parts=self.parts._advance())
 
   def _carry(self, other):
-    parts = dataclasses.replace(self.parts, clock=other.parts.clock, evictions=other.parts.evictions)
-    return dataclasses.replace(self, parts=parts)
+    return dataclasses.replace(self, parts=self.parts._carry(other.parts))
 
   def with_counters(self, clock, evictions):
     clock = jnp.full_like(self.shards.clock, clock)

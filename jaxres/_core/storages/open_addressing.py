@@ -73,6 +73,7 @@ class OpenAddressingTable(Storage):
   slot_scores: jax.Array  # uint32[num_buckets * bucket_size] with an eviction policy, else uint32[0]
   row_stamps: jax.Array  # uint32[capacity]: the clock when each row's entry last changed
   origin: jax.Array  # uint32: which empty table this one derives from (see Storage.lineage)
+  version: jax.Array  # uint32: calls that changed the table so far (see Storage)
   size: jax.Array  # shape=(), dtype=int32
   dropped: jax.Array  # shape=(), dtype=int32
   clock: jax.Array  # shape=(), dtype=uint32
@@ -482,7 +483,7 @@ def _jit_live(table: OpenAddressingTable) -> jax.Array:
 
 @jax.jit
 def _jit_changed(table: OpenAddressingTable, since) -> tuple[jax.Array, jax.Array]:
-  """The live slots and the live slots whose row was stamped after ``since``, as packed bits."""
+  """The live slots and the live slots whose row was stamped after version ``since``, as packed bits."""
   live = table._slots()[1]
   rows = table._row_of(jnp.arange(table.num_slots, dtype=jnp.int32))
   changed = live & (table.row_stamps[jnp.where(live, rows, 0)] > since)

@@ -46,6 +46,7 @@ def empty_fields(
     "size": jnp.zeros((), jnp.int32),
     "dropped": jnp.zeros((), jnp.int32),
     "clock": jnp.zeros((), jnp.uint32),
+    "version": jnp.zeros((), jnp.uint32),
     "evictions": jnp.zeros((), jnp.int32),
     "capacity": capacity,
     "key_spec": key_spec,
@@ -57,10 +58,12 @@ def empty_fields(
 class Storage(Table):
   """A table held in one set of arrays: the row operations, written once over four primitives.
 
-  A storage whose entries keep their slots (open addressing) stamps each value
-  row with the :attr:`clock` of the call that last changed its entry (its key
-  placed, its value written or its score set), so that :meth:`changes` finds
-  what changed since a clock without a log: O(batch) per call. Its
+  Every call that changes a table advances its ``version`` (those that score,
+  its ``clock`` too). A storage whose entries keep their slots (open
+  addressing) stamps each value row with the version of the call that last
+  changed its entry (its key placed, its value written or its score set), so
+  that :meth:`changes` finds what changed since a version without a log:
+  O(batch) per call. Its
   ``origin``, drawn when an empty table is made, tells the tables derived from
   one empty table (whose stamps compare) from others (see :attr:`lineage`).
   """
@@ -68,16 +71,20 @@ class Storage(Table):
   slot_scores: jax.Array  # uint32[num_slots] with an eviction policy, else uint32[0]
   row_stamps: jax.Array  # uint32[capacity] where entries keep their slots, else uint32[0]
   origin: jax.Array  # uint32: drawn when an empty table is made, kept by every table derived from it
+  version: jax.Array  # uint32: calls that changed the table so far
 
   @property
   def lineage(self):
     return self.origin if self.row_stamps.shape[0] else None
 
   def _tick(self) -> Storage:
-    return dataclasses.replace(self, clock=self.clock + jnp.uint32(1))
+    return dataclasses.replace(self, clock=self.clock + jnp.uint32(1), version=self.version + jnp.uint32(1))
+
+  def _advance(self) -> Storage:
+    return dataclasses.replace(self, version=self.version + jnp.uint32(1))
 
   def _carry(self, other: Storage) -> Storage:
-    return dataclasses.replace(self, clock=other.clock, evictions=other.evictions)
+    return dataclasses.replace(self, clock=other.clock, version=other.version, evictions=other.evictions)
 
   def with_counters(self, clock, evictions) -> Storage:
     return dataclasses.replace(
@@ -242,12 +249,12 @@ class Storage(Table):
     return table._stamped(row, mask)
 
   def _stamped(self, row, mask) -> Storage:
-    """Stamps value ``row``s with the clock where ``mask`` (every row writes the same clock, so
+    """Stamps value ``row``s with the version where ``mask`` (every row writes the same version, so
     repeated rows agree); a storage without stamps is returned as it is."""
     size = self.row_stamps.shape[0]
     if not size:
       return self
-    stamps = self.row_stamps.at[jnp.where(mask, row, size)].set(self.clock, mode="drop")
+    stamps = self.row_stamps.at[jnp.where(mask, row, size)].set(self.version, mode="drop")
     return dataclasses.replace(self, row_stamps=stamps)
 
   def _compact(self):
