@@ -127,9 +127,8 @@ class IncrementalMachine(RuleBasedStateMachine):
     old = self.root.vocab
     self.root.vocab = _vocab()
     keys, values = old.export()
-    self.root.vocab.insert(keys[:3], values[:3] + 1)
-    fresh = self.root.vocab.state  # its clock ahead of the old one's: only its lineage tells them apart
-    self.root.vocab.state = fresh.with_counters(old.state.clock + 1, fresh.evictions)
+    for _ in range(int(old.state.version) + 1):  # its version ahead: only its identity tells them apart
+      self.root.vocab.insert(keys[:3], values[:3] + 1)
 
   @rule(full=st.sampled_from([None, None, None, True]))
   def save(self, full):
@@ -212,9 +211,8 @@ def test_a_table_replaced_by_another_is_saved_whole(tmp_path):
   manager.save(0)
   old = root.vocab
   root.vocab = _vocab()
-  root.vocab.insert(IDS[:2], np.full(2, 5.0, np.float32))
-  fresh = root.vocab.state  # its clock ahead of the old one's: only its lineage tells them apart
-  root.vocab.state = fresh.with_counters(old.state.clock + 1, fresh.evictions)
+  for _ in range(int(old.state.version) + 1):  # its version ahead: only its identity tells them apart
+    root.vocab.insert(IDS[:2], np.full(2, 5.0, np.float32))
   manager.save(1)
   assert not _table_node(manager, 1, "model/vocab").get("delta")
   restored = _root()

@@ -698,13 +698,6 @@ class Table(RowProtocol):
       self._live_slots(),
     )
 
-  @property
-  def lineage(self) -> jax.Array | None:
-    """A uint32 drawn when an empty table is made and kept by every table derived from it by its
-    methods: two tables of one lineage have stamps that compare (see :meth:`changes`). ``None``
-    for a table that gives no changes."""
-    return None
-
   def changes(self, since) -> Changes | None:
     """The entries changed since the table's ``version`` read ``since``, and which slots are live.
 

@@ -67,21 +67,18 @@ class Mark(NamedTuple):
 
   version: int
   layout: tuple[int, ...]
-  lineage: int  # the empty table it derives from: another one's stamps do not compare
 
 
 def changes(table: Table, since: Mark | None) -> tuple[Mark | None, dict[str, np.ndarray] | None]:
   """``(mark, delta)``: the table's mark now (``None`` when it cannot give deltas), and the arrays
   of what changed since ``since`` (:func:`saved_entries.delta_to_arrays`), or ``None`` when the
-  table must be saved whole: no ``since``, another slot layout (the table grew), another lineage
-  (a table made empty anew: restored, imported, or not derived from the one saved), or a storage
-  that gives no changes (sorted, sharded)."""
+  table must be saved whole: no ``since``, another slot layout (the table grew), a version below
+  the mark's (another table), or a storage that gives no changes (sorted, sharded)."""
   layout = table.slot_layout
-  if layout is None or table.lineage is None:
+  if layout is None:
     return None, None
-  version, lineage = jax.device_get((table.version, table.lineage))
-  mark = Mark(int(version), tuple(int(x) for x in layout), int(lineage))
-  if since is None or since[1:] != mark[1:] or since.version > mark.version:  # another layout or lineage
+  mark = Mark(int(jax.device_get(table.version)), tuple(int(x) for x in layout))
+  if since is None or since.layout != mark.layout or since.version > mark.version:
     return mark, None
   delta = table.changes(since.version)
   if delta is None:

@@ -7,6 +7,7 @@ its shortest (the first met) and its other paths become aliases.
 from __future__ import annotations
 
 import collections
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,9 +27,10 @@ def collect(root: Any, since: Mapping[str, Any] | None = None) -> tuple[dict, di
 
   ``since``: an incremental save, given the marks by path of the save before
   (``{}``: none, save whole). Objects that give deltas are saved as what
-  changed since their mark (their node says ``"delta"``) and their new marks
-  are returned; without ``since`` every object is saved whole and ``marks``
-  is empty.
+  changed since their mark (their node says ``"delta"``), unless another
+  object now holds the path (a stateful table replaced by another), and their
+  new marks are returned; without ``since`` every object is saved whole and
+  ``marks`` is empty.
 
   Raises:
     TypeError: naming the path of an object that is reachable but cannot be
@@ -56,9 +58,11 @@ def collect(root: Any, since: Mapping[str, Any] | None = None) -> tuple[dict, di
     try:
       delta = None
       if since is not None:
-        mark, delta = handle.changes(since.get(path))
+        owner = _reference(handle.obj) if handle.shared else None
+        before = since.get(path)
+        mark, delta = handle.changes(before[1] if before is not None and before[0] == owner else None)
         if mark is not None:
-          marks[path] = mark
+          marks[path] = (owner, mark)
       if delta is not None:
         node["delta"] = True
       named_arrays = delta if delta is not None else handle.arrays()
@@ -96,6 +100,15 @@ def collect(root: Any, since: Mapping[str, Any] | None = None) -> tuple[dict, di
         f"{path}: array {name!r} has dtype {copy.dtype}; checkpoints hold numbers and bools only."
       )
   return nodes, copies, marks
+
+
+def _reference(obj: Any) -> weakref.ref | None:
+  """A weak reference to ``obj`` (equal to another only while both name the same object), or
+  ``None`` for an object that takes none (an ``nnx.Variable``)."""
+  try:
+    return weakref.ref(obj)
+  except TypeError:
+    return None
 
 
 def _handle(obj: Any, path: str) -> Handle | None:

@@ -72,7 +72,6 @@ class OpenAddressingTable(Storage):
   default: tuple  # leaves [*storage_shape]
   slot_scores: jax.Array  # uint32[num_buckets * bucket_size] with an eviction policy, else uint32[0]
   row_stamps: jax.Array  # uint32[capacity]: the clock when each row's entry last changed
-  origin: jax.Array  # uint32: which empty table this one derives from (see Storage.lineage)
   version: jax.Array  # uint32: calls that changed the table so far (see Storage)
   size: jax.Array  # shape=(), dtype=int32
   dropped: jax.Array  # shape=(), dtype=int32

@@ -65,7 +65,6 @@ class SortedTable(Storage):
   default: tuple  # leaves [*storage_shape]
   slot_scores: jax.Array  # uint32[0]: a sorted table does not evict
   row_stamps: jax.Array  # uint32[0]: entries move, a save writes them all
-  origin: jax.Array  # uint32: which empty table this one derives from (see Storage.lineage)
   version: jax.Array  # uint32: calls that changed the table so far (see Storage)
   size: jax.Array  # shape=(), dtype=int32
   dropped: jax.Array  # shape=(), dtype=int32

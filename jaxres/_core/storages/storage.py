@@ -19,7 +19,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import operator
-import secrets
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +41,6 @@ def empty_fields(
     "default": tuple(default),
     "slot_scores": jnp.zeros((slots if eviction is not None else 0,), jnp.uint32),
     "row_stamps": jnp.zeros((capacity if stamps else 0,), jnp.uint32),
-    "origin": jnp.asarray(secrets.randbits(32) if stamps else 0, jnp.uint32),
     "size": jnp.zeros((), jnp.int32),
     "dropped": jnp.zeros((), jnp.int32),
     "clock": jnp.zeros((), jnp.uint32),
@@ -63,19 +61,12 @@ class Storage(Table):
   addressing) stamps each value row with the version of the call that last
   changed its entry (its key placed, its value written or its score set), so
   that :meth:`changes` finds what changed since a version without a log:
-  O(batch) per call. Its
-  ``origin``, drawn when an empty table is made, tells the tables derived from
-  one empty table (whose stamps compare) from others (see :attr:`lineage`).
+  O(batch) per call.
   """
 
   slot_scores: jax.Array  # uint32[num_slots] with an eviction policy, else uint32[0]
   row_stamps: jax.Array  # uint32[capacity] where entries keep their slots, else uint32[0]
-  origin: jax.Array  # uint32: drawn when an empty table is made, kept by every table derived from it
   version: jax.Array  # uint32: calls that changed the table so far
-
-  @property
-  def lineage(self):
-    return self.origin if self.row_stamps.shape[0] else None
 
   def _tick(self) -> Storage:
     return dataclasses.replace(self, clock=self.clock + jnp.uint32(1), version=self.version + jnp.uint32(1))
