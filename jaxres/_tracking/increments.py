@@ -5,8 +5,8 @@ An incremental step writes, for each object that gives deltas (a table of
 open addressing, stateful or functional, an embedding's rows), only what
 changed since the step before (:func:`jaxres._persistence.table_arrays.changes`),
 and of the other arrays only those whose checksum changed: an unchanged array
-is described with the step and key it is stored under. Its manifest (version
-:data:`manifest.INCREMENTAL`) names its ``parent`` and every step it ``needs``.
+is described with the step and key it is stored under. Its manifest (format
+:data:`manifest.INCREMENTAL_FORMAT`) names its ``parent`` and every step it ``needs``.
 
 :func:`materialize` reads a step with the steps it needs into the manifest and
 arrays of a whole checkpoint, which restore as any other (deferred restore
@@ -57,7 +57,7 @@ def incremental(
   specs = specs | kept_specs
   needs = tuple(sorted({previous.step, *previous.needs}))
   contents = manifest.build(nodes, specs) | {
-    "version": manifest.INCREMENTAL,
+    "format": manifest.INCREMENTAL_FORMAT,
     "parent": previous.step,
     "needs": list(needs),
   }
@@ -101,7 +101,7 @@ def materialize(step: int, load: Callable[[int], tuple[dict, dict]]) -> tuple[di
     if s in made:
       return made[s]
     contents, stored = own(s)
-    if contents["version"] != manifest.INCREMENTAL:
+    if contents["format"] != manifest.INCREMENTAL_FORMAT:
       made[s] = contents, stored
       return made[s]
     arrays = {}

@@ -10,7 +10,8 @@ with shape, dtype and checksum, under the manifest's ``arrays``);
 ``children`` are relative paths. An object reached through a second path is
 saved once: that path's node is ``{"alias": "<first path>"}``.
 
-An incremental step of a ``CheckpointManager`` (version 3, see
+An incremental step of a ``CheckpointManager`` (format
+:data:`INCREMENTAL_FORMAT`, which a jaxres that cannot compose it refuses; see
 :mod:`increments`) adds ``"parent"`` (the step its deltas follow) and
 ``"needs"`` (every step it reads from); a node saved as a delta has
 ``"delta": true``, and an array kept from an earlier step is described with
@@ -29,7 +30,7 @@ from jaxres._tracking import paths
 
 FORMAT = "jaxres.checkpoint"
 VERSION = 2
-INCREMENTAL = 3  # an incremental step of a CheckpointManager, read through the steps it needs
+INCREMENTAL_FORMAT = "jaxres.checkpoint.incremental"  # a manager's step, read with the steps it needs
 
 
 def build(nodes: dict[str, dict], specs: dict[str, dict]) -> dict:
@@ -47,15 +48,16 @@ def check(manifest: Any, label: str, incremental: bool = False) -> dict:
     ValueError: another format, another version, a malformed graph, or an
       incremental step where a whole checkpoint is needed.
   """
-  if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-    raise ValueError(f"{label}: not a jaxres checkpoint manifest.")
-  version = manifest.get("version")
-  if version == INCREMENTAL and not incremental:
+  kind = manifest.get("format") if isinstance(manifest, dict) else None
+  if kind == INCREMENTAL_FORMAT and not incremental:
     raise ValueError(
       f"{label}: an incremental step of a jr.CheckpointManager, which holds what changed since step "
       f"{manifest.get('parent')}; restore it with the manager's restore(step)."
     )
-  if not isinstance(version, int) or version > INCREMENTAL:
+  if kind not in (FORMAT, INCREMENTAL_FORMAT):
+    raise ValueError(f"{label}: not a jaxres checkpoint manifest.")
+  version = manifest.get("version")
+  if not isinstance(version, int) or version > VERSION:
     raise ValueError(f"{label}: format version {version!r} is newer than this jaxres reads ({VERSION}).")
   if version < VERSION:
     raise ValueError(
