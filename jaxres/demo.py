@@ -6,8 +6,9 @@ rule), it trains :class:`jaxres.examples.ClickModel` inside ``nnx.jit``: a
 :class:`jaxres.DynamicEmbedding` gives ids rows at their second occurrence,
 evicts the least recently used when full, and updates only the rows of each
 batch with a row-wise Adam. It checkpoints with ``jr.CheckpointManager`` as
-it goes, prints a summary, then restarts from the next-to-last checkpoint
-into a freshly built model (deferred restore) and checks that the resumed
+it goes (incremental steps: what changed since the step before), prints a
+summary, then restarts from the next-to-last checkpoint into a freshly built
+model (deferred restore) and checks that the resumed
 losses are bitwise those of the uninterrupted run. It ends by evaluating the
 model on held-out data in inference mode (which changes nothing), exporting
 it with ``jr.saved_model`` and serving a few requests from the export, whose

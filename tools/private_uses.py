@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jaxres"
 PROTOCOL = {
   "_trackable_children",
   "_serialize_to_arrays",
+  "_serialize_changes_to_arrays",
   "_restore_from_arrays",
   "_prepare_restore",
   "_holds_arrays",

@@ -96,7 +96,9 @@ class Run:
     workdir: directory of the numbered checkpoints.
     checkpoint_every: save after every this many steps (``None``: never).
     restore_step: the step to resume from; ``None`` for the latest, if any.
-    max_to_keep: checkpoints kept (``None``: all).
+    max_to_keep: checkpoints kept (``None``: all), with the steps they need.
+    full_every: checkpoints are incremental (what changed since the one
+      before), every this many a whole one.
   """
 
   def __init__(
@@ -107,11 +109,14 @@ class Run:
     checkpoint_every: int | None = 100,
     restore_step: int | None = None,
     max_to_keep: int | None = 3,
+    full_every: int = 4,
   ):
     self.config, self.checkpoint_every = config, checkpoint_every
     self.stream = config.stream()
     self.checkpoint = jr.Checkpoint()
-    self.manager = jr.CheckpointManager(workdir, self.checkpoint, max_to_keep=max_to_keep)
+    self.manager = jr.CheckpointManager(
+      workdir, self.checkpoint, max_to_keep=max_to_keep, incremental=True, full_every=full_every
+    )
     self.step, self.status, self.deferred = 0, None, []
     if restore_step is None:
       restore_step = self.manager.latest_step()
