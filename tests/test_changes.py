@@ -35,12 +35,12 @@ def _compose(marked: dict, changes) -> dict:
   return kept | _by_slot(changes.entries)
 
 
-def machine_for(eviction, capacity):
+def machine_for(eviction, capacity, value=jnp.float32):
   class ChangesMachine(RuleBasedStateMachine):
     def __init__(self):
       super().__init__()
       self.table = jr.OpenAddressingTable.create(
-        capacity, key=jnp.int64, value=jnp.float32, default=-1.0, eviction=eviction
+        capacity, key=jnp.int64, value=value, default=-1, eviction=eviction
       )
       self.marks = []
 
@@ -48,7 +48,7 @@ def machine_for(eviction, capacity):
       rng = np.random.default_rng(seed)
       keys = POOL[np.asarray(picks)]
       scores = rng.integers(0, 50, len(picks)).astype(np.uint32) if eviction == jr.CustomScore() else None
-      return keys, rng.integers(-9, 9, len(picks)).astype(np.float32), scores
+      return keys, rng.integers(-9, 9, len(picks)).astype(value), scores
 
     batches = st.lists(st.integers(0, len(POOL) - 1), min_size=BATCH, max_size=BATCH)
     seeds = st.integers(0, 2**16)
@@ -90,6 +90,12 @@ def machine_for(eviction, capacity):
     def remove(self, picks):
       self.table = self.table.remove(POOL[np.asarray(picks)])
 
+    @rule(shrink=st.booleans())
+    def resize(self, shrink):  # the entries move within the same slot layout (15 or 16 entries)
+      if eviction is None and capacity == 16 and int(self.table.size) <= capacity - 1:
+        self.table = self.table.resize(capacity - 1 if shrink else capacity)
+        assert self.table.slot_layout.tolist() == [1, 8, 4]
+
     @rule(threshold=st.integers(-9, 9))
     def erase_if(self, threshold):
       self.table = self.table.erase_if(lambda keys, values, scores: values < threshold)
@@ -108,7 +114,8 @@ def machine_for(eviction, capacity):
   return ChangesMachine
 
 
-TestChanges = machine_for(None, 16).TestCase
+TestChanges = machine_for(None, 16).TestCase  # 8 buckets of 4 int64 keys
+TestChangesIntegers = machine_for(None, 16, jnp.int32).TestCase  # insert_or_apply(jnp.add) by one scatter
 TestChangesFull = machine_for(None, 4).TestCase  # full: new keys are dropped
 TestChangesLRU = machine_for(jr.LRU(), 8).TestCase  # full: new keys evict
 TestChangesLFU = machine_for(jr.LFU(), 8).TestCase

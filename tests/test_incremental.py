@@ -1,8 +1,8 @@
 """Incremental saves of a ``CheckpointManager``: each step restores exactly what a whole save restores.
 
-A state machine trains a model (a ``DynamicEmbedding`` that evicts, a dense layer, a functional table in an
-``nnx.Variable``) and a bounded stateful table through random steps (embedding steps, inserts, removals,
-``erase_if``, a resize, a table replaced by another), saving incremental steps (``full_every``,
+A state machine trains a model (a ``DynamicEmbedding`` that evicts, a dense layer, a functional table and
+a sharded one in variables) and a bounded stateful table through random steps (embedding steps, inserts,
+removals, ``erase_if``, a resize, a table replaced by another), saving incremental steps (``full_every``,
 ``max_to_keep``) and, beside them, a whole ``jr.Checkpoint`` of every step as the reference. At each
 save it restores every kept step into fresh objects, and the reference of that step into others, and
 compares what the two would save, array by array (entries, slots, scores, counters, optimizer state).
@@ -10,6 +10,7 @@ compares what the two would save, array by array (entries, slots, scores, counte
 
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -34,6 +35,9 @@ class Model(nnx.Module):
     self.counts = nnx.Variable(
       jr.OpenAddressingTable.create(32, key=jnp.int64, value=jnp.int32, eviction=jr.LFU())
     )
+    mesh = jax.make_mesh((4,), ("shard",), devices=jax.devices()[:4])
+    shards = jr.ShardedTable.create(mesh, "shard", 16, key=jnp.int64, value=jnp.float32, eviction=jr.LRU())
+    self.sharded = nnx.Variable(shards)  # 4 shards of 4 entries: they evict
 
 
 def _vocab():
@@ -110,6 +114,12 @@ class IncrementalMachine(RuleBasedStateMachine):
     counts.set_value(
       counts.get_value().insert_or_apply(IDS[np.asarray(picks)], np.ones(4, np.int32), jnp.add)
     )
+
+  @rule(picks=st.lists(st.integers(0, len(IDS) - 1), min_size=4, max_size=4), drop=st.booleans())
+  def sharded(self, picks, drop):
+    sharded = self.root.model.sharded
+    table = sharded.get_value().insert(IDS[np.asarray(picks)], np.asarray(picks, np.float32))
+    sharded.set_value(table.remove(IDS[np.asarray(picks[:1])]) if drop else table)
 
   @rule(limit=st.integers(1, 3))
   def expire(self, limit):
@@ -275,3 +285,52 @@ def test_full_must_be_a_bool(tmp_path):
     manager.save(0, full=1)
   assert manager.all_steps() == []
   manager.close()
+
+
+def test_a_stateful_table_rebuilt_by_import_or_restore_is_saved_whole(tmp_path):
+  root = _root()
+  manager = jr.CheckpointManager(tmp_path / "steps", jr.Checkpoint(model=root), incremental=True)
+  root.vocab.insert(IDS[:2], np.array([10.0, 20.0], np.float32))
+  manager.save(0)
+  root.vocab.import_(IDS[:2], np.array([11.0, 22.0], np.float32))  # rebuilt: a version from 0 again
+  manager.save(1)
+  other = _root()
+  other.vocab.insert(IDS[:5], np.arange(5, dtype=np.float32))
+  whole = jr.Checkpoint(model=other).save(tmp_path / "other")
+  jr.Checkpoint(model=root).restore(whole)  # rebuilt again, outside the manager
+  root.vocab.insert(IDS[:1], np.array([7.0], np.float32))
+  manager.save(2)
+  for step in (1, 2):
+    assert not _table_node(manager, step, "model/vocab").get("delta")
+  restored = _root()
+  jr.CheckpointManager(tmp_path / "steps", jr.Checkpoint(model=restored)).restore(2).assert_consumed()
+  assert restored.vocab.export()[1].tolist() == root.vocab.export()[1].tolist() == [7.0, 1.0, 2.0, 3.0, 4.0]
+  manager.close()
+
+
+def test_steps_only_go_up(tmp_path):
+  root = _root()
+  manager = jr.CheckpointManager(tmp_path, jr.Checkpoint(model=root), incremental=True)
+  manager.save(0)
+  manager.save(2)
+  with pytest.raises(ValueError, match="step: 1 is below the latest saved step 2"):
+    manager.save(1)
+  manager.save(3)
+  assert manager.all_steps() == [0, 2, 3]
+  jr.CheckpointManager(tmp_path, jr.Checkpoint(model=_root())).restore(3).assert_consumed()
+  manager.close()
+
+
+def test_a_manager_of_whole_steps_keeps_the_steps_incremental_ones_need(tmp_path):
+  root = _root()
+  manager = jr.CheckpointManager(tmp_path, jr.Checkpoint(model=root), incremental=True)
+  for step in range(4):
+    root.vocab.insert(IDS[step : step + 1], np.ones(1, np.float32))
+    manager.save(step)
+  manager.close()
+  plain = jr.CheckpointManager(tmp_path, jr.Checkpoint(model=root), max_to_keep=2)
+  plain.save(4)
+  assert plain.all_steps() == [0, 1, 2, 3, 4]  # 3 needs 0-2
+  plain.save(5)
+  assert plain.all_steps() == [4, 5]
+  plain.close()

@@ -276,3 +276,18 @@ def test_repeated_keys_with_integer_sums_and_given_scores_equal_an_unsharded_tab
     want.update(entries(shard))
   assert entries(sharded) == want
   np.testing.assert_array_equal(sharded.scores(pool), sum(np.asarray(s.scores(pool)) for s in shards))
+
+
+@pytest.mark.parametrize("eviction", [None, jr.LRU()], ids=["plain", "LRU"])
+def test_an_empty_sharded_table_round_trips(tmp_path, eviction):
+  def root():
+    root = jr.AutoTrackable()
+    root.table = jr.ShardedTable.create(
+      mesh_of(4), "shard", 16, key=jnp.int64, value=jnp.float32, eviction=eviction
+    )
+    return root
+
+  path = jr.Checkpoint(model=root()).save(tmp_path / "ckpt")
+  fresh = root()
+  jr.Checkpoint(model=fresh).restore(path).assert_consumed()
+  assert int(fresh.table.size) == 0

@@ -668,7 +668,7 @@ class Table(RowProtocol):
     if not key_specs.is_traced(self.size) and int(self.size) > capacity:
       raise ValueError(f"capacity: {capacity} is below the table's size {int(self.size)}.")
     words, leaves, scores, valid = row_protocol.compact(self)
-    target = self._with_capacity(capacity)._carry(self)
+    target = self._with_capacity(capacity)._carry(self)._advance()  # every entry newer than before
     given_scores = scores if self.eviction is not None else None
     return row_protocol.upsert(target, words, leaves, valid, given_scores, mode=Upsert.INSERT, tick=False)[0]
 

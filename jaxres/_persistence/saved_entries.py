@@ -112,38 +112,63 @@ def delta_to_arrays(
   return to_arrays(entries, value_spec, counters, layout) | {_LIVE: np.packbits(live)}
 
 
-def is_delta(arrays) -> bool:
-  """Whether ``arrays`` are a delta's (to :func:`compose` with an earlier save's)."""
-  return _LIVE in arrays
+def delta_to_blocks(
+  blocks: dict, counts: np.ndarray, live: np.ndarray, key_spec: KeySpec, value_spec: ValueSpec, **extra
+) -> dict:
+  """The named arrays of a delta of a table in shards: as :func:`to_blocks`, each shard's changed
+  entries, and ``blocks/live`` (``uint8[shards, bytes]``: each shard's live slots, packed bits)."""
+  return to_blocks(blocks, counts, key_spec, value_spec, **extra) | {_BLOCK + _LIVE: np.asarray(live)}
 
 
 def compose(earlier: dict[str, np.ndarray], delta: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   """The arrays of the table ``delta`` was taken from, given ``earlier``: the arrays of the save the
-  delta follows (whole ones, with slots). The entries whose slot is no longer live, or holds a
-  changed entry, leave; the changed entries come in; entries come out in slot order.
+  delta follows (whole ones, with slots; both in blocks for a table in shards). The entries whose
+  slot is no longer live, or holds a changed entry, leave; the changed entries come in; entries
+  come out in slot order.
 
   Raises:
     ValueError: ``earlier`` holds no slots, or the two disagree on the entries' names or layout.
   """
-  if "slots" not in earlier or sorted(earlier) != sorted(n for n in delta if n != _LIVE):
+  live_name = _BLOCK + _LIVE if _COUNTS in delta else _LIVE
+  slots_name = _BLOCK + "slots" if _COUNTS in delta else "slots"
+  if slots_name not in earlier or sorted(earlier) != sorted(n for n in delta if n != live_name):
     raise ValueError(
       f"a delta with arrays {sorted(delta)} does not follow a save of arrays {sorted(earlier)} (corrupted)."
     )
   if not np.array_equal(earlier.get(_LAYOUT), delta.get(_LAYOUT)):
     raise ValueError("a delta of another slot layout than the save it follows (corrupted).")
-  live = np.unpackbits(np.asarray(delta[_LIVE], np.uint8)).astype(bool)
-  slots = np.asarray(earlier["slots"], np.int64)
+  if _COUNTS not in delta:
+    fields = [name for name in delta if field_of(name) in _PER_ENTRY]
+    rows = _composed_rows(earlier, delta, np.asarray(delta[_LIVE]), fields)
+    return {name: rows.get(name, array) for name, array in delta.items() if name != _LIVE}
+  fields = [name for name in delta if name.startswith(_BLOCK) and name != live_name]
+  shards = []
+  for shard, (before, after) in enumerate(zip(earlier[_COUNTS], delta[_COUNTS])):
+    rows_before = {name: np.asarray(earlier[name])[shard][:before] for name in fields}
+    rows_after = {name: np.asarray(delta[name])[shard][:after] for name in fields}
+    shards.append(_composed_rows(rows_before, rows_after, np.asarray(delta[live_name])[shard], fields))
+  counts = np.array([len(rows[slots_name]) for rows in shards], np.int32)
+  width = max(1, int(counts.max(initial=0)))
+
+  def padded(rows: np.ndarray) -> np.ndarray:
+    return np.pad(rows, [(0, width - len(rows))] + [(0, 0)] * (rows.ndim - 1))
+
+  out = {name: array for name, array in delta.items() if name not in fields and name != live_name}
+  out[_COUNTS] = counts
+  return out | {name: np.stack([padded(rows[name]) for rows in shards]) for name in fields}
+
+
+def _composed_rows(earlier: dict, delta: dict, packed_live: np.ndarray, fields: list[str]) -> dict:
+  """One set of entries (a table's, or a shard's) composed, by field name, in slot order."""
+  slots_name = next(name for name in fields if name.endswith("slots"))
+  live = np.unpackbits(np.asarray(packed_live, np.uint8)).astype(bool)
+  slots = np.asarray(earlier[slots_name], np.int64)
   if len(slots) and slots.max() >= len(live):
     raise ValueError("a delta's live slots do not cover the save it follows (corrupted).")
-  keep = live[slots] & ~np.isin(slots, delta["slots"])
-  out = {}
-  for name, array in delta.items():
-    if field_of(name) in _PER_ENTRY:
-      out[name] = np.concatenate([np.asarray(earlier[name])[keep], array])
-    elif name != _LIVE:
-      out[name] = array
-  order = np.argsort(out["slots"], kind="stable")
-  return {name: array[order] if field_of(name) in _PER_ENTRY else array for name, array in out.items()}
+  keep = live[slots] & ~np.isin(slots, delta[slots_name])
+  rows = {name: np.concatenate([np.asarray(earlier[name])[keep], np.asarray(delta[name])]) for name in fields}
+  order = np.argsort(rows[slots_name], kind="stable")
+  return {name: array[order] for name, array in rows.items()}
 
 
 def to_blocks(blocks: dict, counts: np.ndarray, key_spec: KeySpec, value_spec: ValueSpec, **extra) -> dict:

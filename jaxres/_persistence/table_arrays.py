@@ -69,6 +69,7 @@ class Mark(NamedTuple):
   layout: tuple[int, ...]
 
 
+@functools.singledispatch
 def changes(table: Table, since: Mark | None) -> tuple[Mark | None, dict[str, np.ndarray] | None]:
   """``(mark, delta)``: the table's mark now (``None`` when it cannot give deltas), and the arrays
   of what changed since ``since`` (:func:`saved_entries.delta_to_arrays`), or ``None`` when the
@@ -86,6 +87,28 @@ def changes(table: Table, since: Mark | None) -> tuple[Mark | None, dict[str, np
   counters = None if table.eviction is None else {"clock": table.clock, "evictions": table.evictions}
   counters = jax.device_get(counters)
   return mark, saved_entries.delta_to_arrays(delta.entries, delta.live, table.value_spec, counters, layout)
+
+
+@changes.register
+def _(table: ShardedTable, since: Mark | None) -> tuple[Mark | None, dict | None]:
+  """Each shard's changes as blocks (:func:`saved_entries.delta_to_blocks`)."""
+  layout = table.slot_layout
+  if layout is None:
+    return None, None
+  mark = Mark(int(jax.device_get(table.version)), tuple(int(x) for x in layout))
+  if since is None or since.layout != mark.layout or since.version > mark.version:
+    return mark, None
+  delta = table.shard_changes(since.version)
+  if delta is None:
+    return None, None
+  blocks, counts, live = delta
+  counters = None
+  if table.eviction is not None:
+    clock, evictions = jax.device_get((table.shards.clock, table.shards.evictions))
+    counters = {"clock": clock[0], "evictions": np.int32(evictions.sum())}
+  return mark, saved_entries.delta_to_blocks(
+    blocks, counts, live, table.key_spec, table.value_spec, counters=counters, layout=layout
+  )
 
 
 def from_arrays(table: Table, arrays) -> Table:
@@ -149,7 +172,7 @@ def _placed(table: Table, saved: Saved) -> Table:
 def _(table: ShardedTable, saved: Saved) -> Table:
   """Each of this process's shards gets its saved entries at their slots (the keys' owners are checked)."""
   n = len(saved.keys)
-  words = np.asarray(table.key_spec.encode(saved.keys, "keys")[0]).reshape(n, -1)
+  words = np.asarray(table.key_spec.encode(saved.keys, "keys")[0]).reshape(n, table.key_spec.num_words)
   leaves = [np.asarray(x) for x in call_args.value_leaves(table, saved.values, (n,))]
   scores = [] if saved.scores is None else [np.asarray(saved.scores, np.uint32)]
   owners = np.asarray(owner_of(jnp.asarray(words), table.num_shards)) if n else np.zeros(0, np.int32)
@@ -207,7 +230,7 @@ def _(table: ShardedTable, saved: Saved) -> Table:
   if saved.complete or table.mesh.devices.size != table.num_shards or local == table.num_shards:
     return _imported.dispatch(Table)(table, saved)
   n = len(saved.keys)
-  words = np.asarray(table.key_spec.encode(saved.keys, "keys")[0]).reshape(n, -1)
+  words = np.asarray(table.key_spec.encode(saved.keys, "keys")[0]).reshape(n, table.key_spec.num_words)
   leaves = [np.asarray(x) for x in call_args.value_leaves(table, saved.values, (n,))]
   scores = [] if saved.scores is None else [np.asarray(saved.scores, np.uint32)]
   rows = -(-int(processes.everywhere(np.array(n)).max()) // local) * local or local

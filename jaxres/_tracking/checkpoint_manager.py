@@ -104,8 +104,9 @@ class CheckpointManager:
     self.checkpoint = checkpoint
     self._incremental = incremental and jax.process_count() == 1
     self._max_to_keep, self._full_every = max_to_keep, full_every
-    # Incremental: the manager prunes, keeping the steps that kept steps need.
-    self._store = StepStore(self.directory, None if self._incremental else max_to_keep)
+    # The manager prunes (not Orbax), keeping the steps that kept steps need: the directory may hold
+    # incremental steps even where this manager writes whole ones.
+    self._store = StepStore(self.directory)
     self._written: increments.Written | None = None  # the step the next one is written against
     self._saves_since_full = 0
     self._needs: dict[int, list[int]] = {}
@@ -120,7 +121,7 @@ class CheckpointManager:
 
     Raises:
       TypeError: ``step`` is not an int, or an object cannot be checkpointed.
-      ValueError: ``step`` is negative or already saved.
+      ValueError: ``step`` is negative, already saved, or below the latest step.
       OSError: the step before failed to be written (nothing of it was kept);
         the next save is whole.
     """
@@ -128,14 +129,17 @@ class CheckpointManager:
     if full is not None and not isinstance(full, bool):
       raise TypeError(f"full: expected a bool or None, got {full!r}.")
     self._settle()
-    if step in self._store.all_steps():
+    steps = self._store.all_steps()
+    if step in steps:
       raise ValueError(f"step: {step} is already saved in {self.directory}.")
+    if steps and step < steps[-1]:
+      raise ValueError(f"step: {step} is below the latest saved step {steps[-1]}; steps only go up.")
     if not self._incremental:
       nodes, arrays, _ = saving.collect(self.checkpoint.root)
       self._store.save(step, manifest.build(nodes, orbax_io.specs(arrays)), arrays)
       return
     previous = self._written
-    whole = full or previous is None or previous.step > step or self._saves_since_full == self._full_every
+    whole = full or previous is None or self._saves_since_full == self._full_every
     nodes, arrays, marks = saving.collect(self.checkpoint.root, since={} if whole else previous.marks)
     specs = orbax_io.specs(arrays)
     if whole:
@@ -211,7 +215,7 @@ class CheckpointManager:
     except OSError:
       self._written = None
       raise
-    if not self._incremental or self._max_to_keep is None:
+    if self._max_to_keep is None:
       return
     steps = self._store.all_steps()
     kept = set(steps[-self._max_to_keep :])

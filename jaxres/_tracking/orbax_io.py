@@ -184,8 +184,8 @@ class StepStore:
   every read waits for them first.
   """
 
-  def __init__(self, directory: str, max_to_keep: int | None):
-    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=True)
+  def __init__(self, directory: str):
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
     self._manager = ocp.CheckpointManager(os.path.abspath(directory), options=options)
 
   def save(self, step: int, manifest: dict, arrays: dict[str, np.ndarray | jax.Array]) -> None:

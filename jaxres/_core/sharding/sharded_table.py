@@ -433,6 +433,46 @@ class ShardedTable(Table):
     split = NamedSharding(self.mesh, PartitionSpec(self.axis))
     return jax.tree.map(lambda x: lax.with_sharding_constraint(x, split), blocks)
 
+  @property
+  def version(self) -> jax.Array:
+    """uint32[]: calls that changed the table so far (every call reaches every shard)."""
+    return self.shards.version[0]
+
+  def shard_changes(self, since) -> tuple[dict, np.ndarray, np.ndarray] | None:
+    """What changed in each shard since the table's ``version`` read ``since`` (see
+    :meth:`jaxres.Table.changes`): ``(blocks, counts, live)``.
+
+    ``blocks`` as :meth:`shard_entries` gives them, each shard's changed
+    entries first (``counts[i]`` of them) with their slots; ``live``:
+    ``uint8[shards, ceil(slots per shard / 8)]``, each shard's live slots as
+    packed bits. ``None`` where the storage gives no changes (single process
+    only, for now). O(capacity) on the devices, the changed entries to the host.
+    """
+    if self.shards.row_stamps.shape[-1] == 0 or jax.process_count() > 1:
+      return None
+    since = jnp.asarray(since, jnp.uint32)
+    live, changed = jax.device_get(_jit_shard_changed(self, since))
+    counts = np.unpackbits(changed, axis=1, count=self.shards.num_slots).sum(axis=1)
+    width = max(1, 1 << max(0, int(counts.max()) - 1).bit_length())
+    return jax.device_get(_jit_changed_entries(self, since, width)), counts, live
+
+  def _shard_changed(self, since):
+    def one(shard):
+      live, changed = shard._changed_slots(since)
+      return jnp.packbits(live), jnp.packbits(changed)
+
+    return jax.vmap(one)(self.shards)
+
+  def _changed_entries(self, since, width: int) -> dict:
+    def one(shard):
+      slots = jnp.nonzero(shard._changed_slots(since)[1], size=width, fill_value=0)[0].astype(jnp.int32)
+      block = {"keys": shard._slots_at(slots)[0], "values": shard._read(slots), "slots": slots}
+      if self.eviction is not None:
+        block["scores"] = shard._scores_at(slots)
+      return block
+
+    return jax.vmap(one)(self.shards)
+
   def place_shards(self, words, leaves, scores, slots, valid) -> ShardedTable:
     """An empty table like this one holding, in each shard, its rows of ``[shards, width, ...]`` arrays
     at their ``slots`` where ``valid`` (as :meth:`shard_entries` gave them; ``scores`` may be ``None``).
@@ -442,7 +482,7 @@ class ShardedTable(Table):
     """
     split = NamedSharding(self.mesh, PartitionSpec(self.axis))
     place = jax.jit(jax.vmap(lambda shard, *row: shard._place_rows(*row)), out_shardings=split)
-    empty = self._cleared()
+    empty = self._cleared()._advance()  # every entry newer than any version of this table before
     return empty._with_shards(place(empty.shards, words, leaves, scores, slots, valid))
 
   # ----------------------------------------------------------- routing
@@ -560,3 +600,5 @@ def _end_to_end(shards: Storage) -> Storage:
 
 
 _jit_shard_entries = jax.jit(ShardedTable._shard_entries, static_argnums=1)
+_jit_shard_changed = jax.jit(ShardedTable._shard_changed)
+_jit_changed_entries = jax.jit(ShardedTable._changed_entries, static_argnums=2)

@@ -166,7 +166,7 @@ class OpenAddressingTable(Storage):
     return Changes(entries, live)
 
   def placed(self, keys, values, scores, slots):
-    empty = self._cleared()
+    empty = self._cleared()._advance()  # every entry newer than any version of this table before
     rows = call_args.prepare(empty, keys, values, scores=scores, explicit_scores=True)
     check_slots(rows.words[: rows.n], slots, self.num_slots)
     if not rows.n:
@@ -483,9 +483,7 @@ def _jit_live(table: OpenAddressingTable) -> jax.Array:
 @jax.jit
 def _jit_changed(table: OpenAddressingTable, since) -> tuple[jax.Array, jax.Array]:
   """The live slots and the live slots whose row was stamped after version ``since``, as packed bits."""
-  live = table._slots()[1]
-  rows = table._row_of(jnp.arange(table.num_slots, dtype=jnp.int32))
-  changed = live & (table.row_stamps[jnp.where(live, rows, 0)] > since)
+  live, changed = table._changed_slots(since)
   return jnp.packbits(live), jnp.packbits(changed)
 
 

@@ -198,7 +198,7 @@ class Storage(Table):
     if reduction is not None:
       target = jnp.where(pending, row, table.capacity)
       values = tuple(reduction.scatter(v.at[target], x) for v, x in zip(table.values, leaves))
-      return dataclasses.replace(table, values=values)
+      return dataclasses.replace(table, values=values)._stamped(row, pending)
     table, _ = jax.lax.while_loop(lambda s: jnp.any(s[1]), fold, (table, pending))
     return table
 
@@ -238,6 +238,15 @@ class Storage(Table):
     """Writes value ``row``s with ``leaves`` where ``mask``; of the rows naming one row, the last wins."""
     table = dataclasses.replace(self, values=tuple(write_rows(self.values, row, leaves, mask)))
     return table._stamped(row, mask)
+
+  def _changed_slots(self, since) -> tuple[jax.Array, jax.Array]:
+    """``(live, changed)``, ``bool[num_slots]``: the slots holding an entry, and those whose row was
+    stamped after version ``since`` (a storage without stamps: every live slot). O(capacity)."""
+    live = self._slots()[1]
+    if not self.row_stamps.shape[0]:
+      return live, live
+    rows = self._row_of(jnp.arange(self.num_slots, dtype=jnp.int32))
+    return live, live & (self.row_stamps[jnp.where(live, rows, 0)] > since)
 
   def _stamped(self, row, mask) -> Storage:
     """Stamps value ``row``s with the version where ``mask`` (every row writes the same version, so
