@@ -25,14 +25,14 @@ class CheckpointManager:
   **Incremental saves** (``incremental=True``): the first save, every
   ``full_every``-th one and ``save(step, full=True)`` write everything; the
   others write only what changed since the step before: the entries of
-  open-addressing tables (stateful or functional, an embedding's rows with
-  their optimizer state and scores) inserted, changed, evicted or removed,
-  and the other arrays whose contents changed. Their size follows what
-  training touched, not the tables. ``restore(step)`` reads the steps a step
-  needs and gives exactly the state a whole save would have; ``max_to_keep``
-  keeps the steps that kept steps need. The first save after the manager is
-  made or restores is whole. Sorted and sharded tables are saved whole in
-  every step (for now), as are the saves of several processes.
+  open-addressing tables (stateful or functional, sharded or not, an
+  embedding's rows with their optimizer state and scores) inserted, changed,
+  evicted or removed, and the other arrays whose contents changed. Their size
+  follows what training touched, not the tables. ``restore(step)`` reads the
+  steps a step needs and gives exactly the state a whole save would have;
+  ``max_to_keep`` keeps the steps that kept steps need. The first save after
+  the manager is made or restores is whole. Sorted tables are saved whole in
+  every step, as are the saves of several processes (for now).
 
   Args:
     directory: where the numbered checkpoints live.
