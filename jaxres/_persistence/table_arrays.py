@@ -91,9 +91,9 @@ def changes(table: Table, since: Mark | None) -> tuple[Mark | None, dict[str, np
 
 @changes.register
 def _(table: ShardedTable, since: Mark | None) -> tuple[Mark | None, dict | None]:
-  """Each shard's changes as blocks (:func:`saved_entries.delta_to_blocks`)."""
+  """Each shard's changes as blocks (:func:`saved_entries.delta_to_blocks`); one process only."""
   layout = table.slot_layout
-  if layout is None:
+  if layout is None or jax.process_count() > 1:
     return None, None
   mark = Mark(int(jax.device_get(table.version)), tuple(int(x) for x in layout))
   if since is None or since.layout != mark.layout or since.version > mark.version:

@@ -100,7 +100,6 @@ class LookupTable(Resource):
     self._key_codec = KeyCodec(key_dtype, max_key_length)
     self._value_codec = ValueCodec(value_dtype, default_value, max_value_length)
     self._initial_capacity = check_capacity(initial_capacity, "initial_capacity")
-    self._epoch = object()  # new whenever the state is rebuilt (import, restore): marks of before lapse
 
   def _check_state(self, state) -> None:
     key_spec = key_specs.KeySpec.parse(self._key_codec.spec)
@@ -137,7 +136,7 @@ class LookupTable(Resource):
   def _imported(self, keys, values) -> Table:
     """A new state holding exactly ``keys -> values`` (the core's encoding); a bounded table evicts."""
     rows = int(np.shape(keys)[0]) if np.ndim(keys) else 1
-    self._epoch = object()
+    self._life().epoch = object()  # rebuilt: the marks of incremental saves before lapse
     return self._empty(self._room_for(rows)).import_(keys, values)
 
   # -------------------------------------------------------- checkpoints
@@ -146,10 +145,12 @@ class LookupTable(Resource):
     return table_arrays.to_arrays(self.state)  # live entries only (not the lost-in-jit report)
 
   def _serialize_changes_to_arrays(self, since):
-    """A delta of the state since ``since``, unless the state was rebuilt since (see ``_epoch``)."""
+    """A delta of the state since ``since``, unless the state was rebuilt since (the lifecycle's
+    ``epoch``, kept out of the attributes that NNX compares)."""
     epoch, since = since if since is not None else (None, None)
-    mark, delta = table_arrays.changes(self.state, since if epoch is self._epoch else None)
-    return (None if mark is None else (self._epoch, mark)), delta
+    current = self._life().epoch
+    mark, delta = table_arrays.changes(self.state, since if epoch is current else None)
+    return (None if mark is None else (current, mark)), delta
 
   def _restore_from_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
     """Makes the checkpointed entries the contents, all checked before the state changes (the
@@ -161,7 +162,7 @@ class LookupTable(Resource):
     }
     rows = saved_entries.count(arrays)
     self.state = table_arrays.from_arrays(self._empty(self._room_for(rows)), arrays)
-    self._epoch = object()
+    self._life().epoch = object()
 
   def _current(self):
     """The state, after reporting keys lost inside jit (eager use only).

@@ -28,6 +28,7 @@ class _Lifecycle:
     self.destroyed = False
     self.owner: int | None = None
     self.known = None  # what the resource's own last update knows of the state it made (subclasses)
+    self.epoch = object()  # new whenever the state is rebuilt, not derived (subclasses: see LookupTable)
 
 
 # id(resource) -> its lifecycle. Kept out of the object's attributes: NNX keys

@@ -445,10 +445,10 @@ class ShardedTable(Table):
     ``blocks`` as :meth:`shard_entries` gives them, each shard's changed
     entries first (``counts[i]`` of them) with their slots; ``live``:
     ``uint8[shards, ceil(slots per shard / 8)]``, each shard's live slots as
-    packed bits. ``None`` where the storage gives no changes (single process
-    only, for now). O(capacity) on the devices, the changed entries to the host.
+    packed bits. ``None`` where the storage gives no changes. O(capacity) on
+    the devices, the changed entries to the host (of one process: every shard).
     """
-    if self.shards.row_stamps.shape[-1] == 0 or jax.process_count() > 1:
+    if self.shards.row_stamps.shape[-1] == 0:
       return None
     since = jnp.asarray(since, jnp.uint32)
     live, changed = jax.device_get(_jit_shard_changed(self, since))
