@@ -345,16 +345,20 @@ def test_a_bounded_stateful_table_evicts_eagerly_and_inside_nnx_jit(tmp_path):
   assert int(fresh.ids.state.clock) == int(model.ids.state.clock)
 
 
-@pytest.mark.parametrize("kind", ["open_addressing", "sorted", "sharded"])
-def test_export_batch_streams_every_entry_once_with_its_score(kind):
+def _streamed(kind: str):
+  """A table of 12 entries (2 calls) of each kind that streams: open addressing, sorted, sharded."""
   if kind == "sorted":
     table = jr.SortedTable.create(16, key=jnp.int64, value=jnp.int32)
-  elif kind == "sharded":
-    table = _create(jr.LRU(), 16, sharded=True)
   else:
-    table = _create(jr.LRU(), 16)
+    table = _create(jr.LRU(), 16, sharded=kind == "sharded")
   for start in (0, 5):
     table = table.insert(POOL[start : start + 7], np.arange(7, dtype=np.int32) + start)
+  return table
+
+
+@pytest.mark.parametrize("kind", ["open_addressing", "sorted", "sharded"])
+def test_export_batch_streams_every_entry_once_with_its_score(kind):
+  table = _streamed(kind)
   streamed = {}
   step = jax.jit(lambda t, offset: t.export_batch(offset, 5))
   for offset in range(0, table.num_slots + 5, 5):  # a chunk past the end holds nothing
@@ -372,14 +376,7 @@ def test_export_batch_streams_every_entry_once_with_its_score(kind):
 
 @pytest.mark.parametrize("kind", ["open_addressing", "sorted", "sharded"])
 def test_export_if_streams_the_matching_entries_first_chunk_by_chunk(kind):
-  if kind == "sorted":
-    table = jr.SortedTable.create(16, key=jnp.int64, value=jnp.int32)
-  elif kind == "sharded":
-    table = _create(jr.LRU(), 16, sharded=True)
-  else:
-    table = _create(jr.LRU(), 16)
-  for start in (0, 5):
-    table = table.insert(POOL[start : start + 7], np.arange(7, dtype=np.int32) + start)
+  table = _streamed(kind)
   entries = _entries(table)
 
   latest = 0 if kind == "sorted" else int(table.clock)  # the keys of the last insert (LRU)

@@ -74,29 +74,29 @@ def changes(table: Table, since: Mark | None) -> tuple[Mark | None, dict[str, np
   """``(mark, delta)``: the table's mark now (``None`` when it cannot give deltas), and the arrays
   of what changed since ``since`` (:func:`saved_entries.delta_to_arrays`), or ``None`` when the
   table must be saved whole: no ``since``, another slot layout (the table grew), a version below
-  the mark's (another table), or a storage that gives no changes (sorted, sharded)."""
-  layout = table.slot_layout
-  if layout is None:
+  the mark's (another table), or a storage that gives no changes (sorted)."""
+  if table.slot_layout is None:
     return None, None
-  mark = Mark(int(jax.device_get(table.version)), tuple(int(x) for x in layout))
-  if since is None or since.layout != mark.layout or since.version > mark.version:
+  mark, follows = _marked(table, since)
+  if not follows:
     return mark, None
   delta = table.changes(since.version)
   if delta is None:
     return None, None
   counters = None if table.eviction is None else {"clock": table.clock, "evictions": table.evictions}
   counters = jax.device_get(counters)
-  return mark, saved_entries.delta_to_arrays(delta.entries, delta.live, table.value_spec, counters, layout)
+  return mark, saved_entries.delta_to_arrays(
+    delta.entries, delta.live, table.value_spec, counters, table.slot_layout
+  )
 
 
 @changes.register
 def _(table: ShardedTable, since: Mark | None) -> tuple[Mark | None, dict | None]:
   """Each shard's changes as blocks (:func:`saved_entries.delta_to_blocks`); one process only."""
-  layout = table.slot_layout
-  if layout is None or jax.process_count() > 1:
+  if table.slot_layout is None or jax.process_count() > 1:
     return None, None
-  mark = Mark(int(jax.device_get(table.version)), tuple(int(x) for x in layout))
-  if since is None or since.layout != mark.layout or since.version > mark.version:
+  mark, follows = _marked(table, since)
+  if not follows:
     return mark, None
   delta = table.shard_changes(since.version)
   if delta is None:
@@ -107,8 +107,15 @@ def _(table: ShardedTable, since: Mark | None) -> tuple[Mark | None, dict | None
     clock, evictions = jax.device_get((table.shards.clock, table.shards.evictions))
     counters = {"clock": clock[0], "evictions": np.int32(evictions.sum())}
   return mark, saved_entries.delta_to_blocks(
-    blocks, counts, live, table.key_spec, table.value_spec, counters=counters, layout=layout
+    blocks, counts, live, table.key_spec, table.value_spec, counters=counters, layout=table.slot_layout
   )
+
+
+def _marked(table: Table, since: Mark | None) -> tuple[Mark, bool]:
+  """The table's mark now, and whether it follows ``since``: the same slot layout, and a version
+  not below it (a table made anew starts again from 0)."""
+  mark = Mark(int(jax.device_get(table.version)), tuple(int(x) for x in table.slot_layout))
+  return mark, since is not None and since.layout == mark.layout and since.version <= mark.version
 
 
 def from_arrays(table: Table, arrays) -> Table:
