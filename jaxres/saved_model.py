@@ -30,18 +30,28 @@ from pathlib import Path
 
 import jax
 
-from jaxres._serving import directory, program, served_state
+from jaxres._core.storages.sorted_arrays import read_only
+from jaxres._serving import directory, program, served_state, updates
 from jaxres._serving.loaded import LoadedModel, LoadedSignature
 from jaxres._serving.signature import Input, Signature
 from jaxres._tracking.checkpoint import Checkpoint
 
-__all__ = ["LoadedModel", "LoadedSignature", "Signature", "load", "save"]
+__all__ = ["LoadedModel", "LoadedSignature", "Signature", "load", "save", "save_delta"]
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 FORMATS = ("jaxres", "tf")
 
 
-def save(obj, path, signatures, *, platforms=("cpu", "cuda"), format: str = "jaxres") -> None:
+def save(
+  obj,
+  path,
+  signatures,
+  *,
+  platforms=("cpu", "cuda"),
+  format: str = "jaxres",
+  updatable: bool = False,
+  step: int = 0,
+) -> None:
   """Exports ``obj`` with its ``signatures`` to the directory ``path``.
 
   Args:
@@ -57,6 +67,11 @@ def save(obj, path, signatures, *, platforms=("cpu", "cuda"), format: str = "jax
     format: ``"jaxres"`` (load with :func:`load`) or ``"tf"``, a TensorFlow
       SavedModel that stock TensorFlow serves without JAX or jaxres (needs
       ``tensorflow``, never a dependency of jaxres).
+    updatable: serve each table with room for its training table's capacity,
+      so that the loaded model takes the deltas of later steps
+      (:func:`save_delta`, :meth:`LoadedModel.update`) without recompiling;
+      the directory still holds only the live entries (format ``"jaxres"``).
+    step: the training step exported (what deltas follow; ``updatable`` only).
 
   Raises:
     TypeError: bad arguments (naming them), or a signature that changes the
@@ -80,8 +95,14 @@ def save(obj, path, signatures, *, platforms=("cpu", "cuda"), format: str = "jax
   platforms = _check_platforms(platforms)
   if format not in FORMATS:
     raise ValueError(f"format: expected one of {FORMATS}, got {format!r}.")
-  state = served_state.split(served_state.serving_copy(obj))
-  leaves = state[0]
+  if not isinstance(updatable, bool):
+    raise TypeError(f"updatable: expected a bool, got {updatable!r}.")
+  if updatable and format != "jaxres":
+    raise ValueError(f"updatable: only a saved model of format 'jaxres' takes deltas, not {format!r}.")
+  step = _check_step(step)
+  recorder = updates.Recorder() if updatable else None
+  state = served_state.split(served_state.serving_copy(obj, recorder or read_only))
+  leaves, names, _ = state
   programs = {name: program.export(name, sig, state, platforms) for name, sig in signatures.items()}
   used = sorted({i for p in programs.values() for i in p.state})
   position = {leaf: k for k, leaf in enumerate(used)}
@@ -108,8 +129,63 @@ def save(obj, path, signatures, *, platforms=("cpu", "cuda"), format: str = "jax
       for name, p in programs.items()
     ],
   }
+  rows = None
+  if recorder is not None:
+    manifest["updates"], extra, rows = updates.lineage(recorder, leaves, names, position, step)
+    state += extra
   blobs = [bytes(p.exported.serialize()) for p in programs.values()]
-  directory.write(path, manifest, blobs, state, checkpoint)
+  directory.write(path, manifest, blobs, state, checkpoint, rows)
+
+
+def save_delta(obj, path, since, *, step: int) -> None:
+  """Writes what changed in ``obj`` since the updatable export or delta at ``since``, for
+  :meth:`LoadedModel.update` of a model serving ``since``'s step.
+
+  Of each table, the entries inserted or changed since (read from its change
+  stamps, O(changed) entries and one bit per slot) and which slots hold an
+  entry now, so that the served model drops those removed or evicted; a table
+  rebuilt since (grown, replaced) comes whole. Other arrays the signatures
+  read come whole where their bytes changed.
+
+  Args:
+    obj: the object exported to ``since``'s chain, trained further.
+    path: the directory to write (replaced if it exists).
+    since: the export (``save(..., updatable=True)``) or the delta this one follows.
+    step: this delta's training step, after ``since``'s.
+
+  Raises:
+    TypeError: bad arguments (naming them).
+    ValueError: ``since`` is not an updatable export or a delta; ``obj`` is
+      another model (other arrays or tables); ``step`` is not after
+      ``since``'s; a table holds more entries than the served model has
+      room for (export it again). Nothing is written.
+
+  Examples:
+    >>> import tempfile, jax, numpy as np, jaxres as jr
+    >>> table = jr.OpenAddressingTable.create(64, key=np.int32, value=np.float32, default=-1.0)
+    >>> table = table.insert(np.array([1, 2], np.int32), np.array([0.5, 1.5], np.float32))
+    >>> ids = jax.ShapeDtypeStruct(("n",), np.int32)
+    >>> find = jr.saved_model.Signature(lambda t, ids: t.find(ids), ids=ids)
+    >>> root = tempfile.mkdtemp()
+    >>> jr.saved_model.save(table, root + "/export", {"find": find}, updatable=True, step=0)
+    >>> served = jr.saved_model.load(root + "/export")
+    >>> table = table.insert(np.array([3], np.int32), np.array([2.5], np.float32))
+    >>> table = table.remove(np.array([1], np.int32))
+    >>> jr.saved_model.save_delta(table, root + "/delta", since=root + "/export", step=1)
+    >>> served.update(root + "/delta")
+    >>> served.step, served.signatures["find"](ids=np.array([1, 2, 3], np.int32))["output"].tolist()
+    (1, [-1.0, 1.5, 2.5])
+  """
+  path = directory.check_target(path)
+  if not isinstance(since, (str, os.PathLike)):
+    raise TypeError(f"since: expected the path of an export or a delta, got {type(since).__name__}.")
+  updates.write_delta(obj, path, Path(since), _check_step(step))
+
+
+def _check_step(step) -> int:
+  if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+    raise TypeError(f"step: expected an int >= 0, got {step!r}.")
+  return step
 
 
 def load(path) -> LoadedModel:
@@ -142,19 +218,17 @@ def load(path) -> LoadedModel:
   platforms = tuple(manifest.get("platforms", ()))
   if platform not in platforms and not (platform == "gpu" and {"cuda", "rocm"} & set(platforms)):
     raise ValueError(f"{path}: lowered for {platforms}, not for this process's platform {platform!r}.")
-  arrays = [jax.numpy.asarray(x) for x in state]
   signatures = {}
   try:
     for entry, blob in zip(manifest["signatures"], blobs, strict=True):
       inputs = tuple(Input.from_json(i) for i in entry["inputs"])
       exported = jax.export.deserialize(bytearray(blob))
-      taken = [arrays[k] for k in entry["state"]]
       signatures[entry["name"]] = LoadedSignature(
-        entry["name"], inputs, entry["outputs"], entry["max_length"], exported, taken
+        entry["name"], inputs, entry["outputs"], entry["max_length"], exported, entry["state"]
       )
+    return LoadedModel(path, signatures, platforms, state, manifest.get("updates"))
   except (KeyError, TypeError, ValueError, IndexError) as err:
     raise ValueError(f"{path}: corrupted saved model ({err}).") from None
-  return LoadedModel(path, signatures, platforms)
 
 
 def _check_signatures(signatures) -> dict[str, Signature]:

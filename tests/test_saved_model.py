@@ -146,6 +146,17 @@ def test_inference_mode_changes_nothing():
   assert model.emb.stats() != stats  # training mode inserts again
 
 
+def test_saving_leaves_the_object_as_it_was(tmp_path):
+  """Exporting swaps tables for their read-only form in a copy, never in the object saved."""
+  model = _trained()
+  before = jax.tree.leaves(nnx.state(model))
+  jr.saved_model.save(model, tmp_path / "m", {"serving_default": jr.saved_model.Signature(predict, ids=IDS)})
+  assert type(model.emb.table.get_value()) is jr.OpenAddressingTable
+  after = jax.tree.leaves(nnx.state(model))
+  assert len(before) == len(after) and all(a is b for a, b in zip(before, after))
+  assert not model.emb.deterministic  # still in training mode
+
+
 def test_served_outputs_equal_the_function_bitwise(exported, tmp_path):
   model, path = exported
   served = jr.saved_model.load(path)

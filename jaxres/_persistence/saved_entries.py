@@ -120,6 +120,26 @@ def delta_to_blocks(
   return to_blocks(blocks, counts, key_spec, value_spec, **extra) | {_BLOCK + _LIVE: np.asarray(live)}
 
 
+def delta_live(delta: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+  """``(arrays, live)``: a delta's changed entries as arrays :func:`from_arrays` reads, and which
+  slots hold an entry now (``bool``, every shard's slots in turn: see :func:`numbered_slots`)."""
+  name = _BLOCK + _LIVE if _COUNTS in delta else _LIVE
+  per_shard = int(np.prod(np.asarray(delta[_LAYOUT])[1:]))
+  packed = np.asarray(delta[name], np.uint8).reshape(-1, (per_shard + 7) // 8)
+  live = np.unpackbits(packed, axis=1, count=per_shard).astype(bool).reshape(-1)
+  return {n: array for n, array in delta.items() if n != name}, live
+
+
+def numbered_slots(saved: Saved) -> np.ndarray | None:
+  """Each saved entry's slot numbered over every shard in turn (``shard * slots_per_shard + slot``,
+  ``int64[n]``), or ``None`` for entries saved without slots."""
+  if saved.slots is None:
+    return None
+  per_shard = int(np.prod(saved.layout[1:]))
+  parts = [shard * per_shard + np.asarray(s, np.int64) for shard, s in zip(saved.shards, saved.slots)]
+  return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
 def compose(earlier: dict[str, np.ndarray], delta: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   """The arrays of the table ``delta`` was taken from, given ``earlier``: the arrays of the save the
   delta follows (whole ones, with slots; both in blocks for a table in shards). The entries whose

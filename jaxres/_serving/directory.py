@@ -6,8 +6,13 @@
                         state arrays each program takes), the state arrays (dtype, shape,
                         CRC-32), the platforms, the format version
   programs/<i>.jaxexport  each signature's serialized ``jax.export`` program
-  state/<i>.npy         the serving state: the arrays the programs read
+  state/<i>.npy         the serving state: the arrays the programs read (of an updatable
+                        export's tables, only the rows in use: ``"rows"`` says how many
+                        the programs take, the rest is padded with zeros at load)
   variables/            a full ``jr.Checkpoint`` of the object (children: ``model``)
+
+A delta (:mod:`updates`) is a directory of named arrays (``<name>.npy``) and a
+manifest describing them (:func:`write_files`, :func:`read_files`).
 
 A directory is written under a temporary name beside ``path`` and renamed
 into place, so an interrupted save leaves nothing at ``path``.
@@ -30,8 +35,15 @@ VERSION = 1
 MANIFEST = "saved_model.json"
 
 
-def write(path: Path, manifest: dict, programs: list[bytes], state: list[np.ndarray], fill) -> None:
-  """Writes the directory at ``path``; ``fill(staged)`` adds to it first (see :func:`replace`)."""
+def write(
+  path: Path, manifest: dict, programs: list[bytes], state: list[np.ndarray], fill, rows: dict | None = None
+) -> None:
+  """Writes the directory at ``path``; ``fill(staged)`` adds to it first (see :func:`replace`).
+
+  ``rows``: for the arrays of ``state`` (by index) that hold free rows, ``(in_use, total)``: only the
+  first ``in_use`` rows are written, and the manifest says the programs take ``total``.
+  """
+  rows = rows or {}
   path.parent.mkdir(parents=True, exist_ok=True)
   staged = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
   try:
@@ -41,10 +53,9 @@ def write(path: Path, manifest: dict, programs: list[bytes], state: list[np.ndar
       (staged / "programs" / f"{i}.jaxexport").write_bytes(blob)
     described = []
     for i, array in enumerate(state):
-      np.save(staged / "state" / f"{i}.npy", array, allow_pickle=False)
-      described.append(
-        {"dtype": array.dtype.name, "shape": list(array.shape), "crc32": zlib.crc32(array.tobytes())}
-      )
+      in_use, total = rows.get(i, (len(array) if array.ndim else None, None))
+      entry = _save(staged / "state" / f"{i}.npy", array[:in_use] if total else array)
+      described.append(entry | ({"rows": total} if total else {}))
     fill(staged)
     text = json.dumps({"format": FORMAT, "version": VERSION, **manifest, "state": described}, indent=1)
     (staged / MANIFEST).write_text(text)
@@ -52,6 +63,56 @@ def write(path: Path, manifest: dict, programs: list[bytes], state: list[np.ndar
   except BaseException:
     shutil.rmtree(staged, ignore_errors=True)
     raise
+
+
+def _save(file: Path, array: np.ndarray) -> dict:
+  np.save(file, array, allow_pickle=False)
+  return {"dtype": array.dtype.name, "shape": list(array.shape), "crc32": zlib.crc32(array.tobytes())}
+
+
+def write_files(path: Path, name: str, manifest: dict, arrays: dict[str, np.ndarray]) -> None:
+  """Writes a directory of the named ``arrays`` (``<name>.npy``, names may hold ``/``) and the JSON
+  ``manifest`` (as the file ``name``, with each array described), replacing one at ``path``."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  staged = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+  try:
+    described = {}
+    for key, array in arrays.items():
+      (staged / key).parent.mkdir(parents=True, exist_ok=True)
+      described[key] = _save(staged / f"{key}.npy", np.asarray(array))
+    (staged / name).write_text(json.dumps(manifest | {"arrays": described}, indent=1))
+    replace(staged, path)
+  except BaseException:
+    shutil.rmtree(staged, ignore_errors=True)
+    raise
+
+
+def read_files(path: Path, name: str, format: str, what: str) -> tuple[dict, dict[str, np.ndarray]]:
+  """``(manifest, arrays)`` of a directory :func:`write_files` wrote with ``{"format": format}``
+  (``what``: what such a directory is, for errors).
+
+  Raises:
+    ValueError: naming ``path``: no such manifest, another format, or a damaged file.
+  """
+  manifest = _manifest(path, name, format, what)
+  try:
+    arrays = {key: _array(path / f"{key}.npy", entry) for key, entry in manifest["arrays"].items()}
+  except (OSError, KeyError, TypeError, ValueError, AttributeError) as err:
+    raise ValueError(f"{path}: corrupted ({err}).") from None
+  return manifest, arrays
+
+
+def _manifest(path: Path, name: str, format: str, what: str) -> dict:
+  file = path / name
+  if not file.is_file():
+    raise ValueError(f"{path}: not a {what} (no {name}).")
+  try:
+    manifest = json.loads(file.read_text())
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+    raise ValueError(f"{path}: corrupted {name} ({err}).") from None
+  if not isinstance(manifest, dict) or manifest.get("format") != format:
+    raise ValueError(f"{path}: {name} does not describe a {what}.")
+  return manifest
 
 
 def check_target(path) -> Path:
@@ -71,6 +132,15 @@ def check_target(path) -> Path:
       f"path: {path} holds files that are not a saved model; choose an empty or new directory."
     )
   return path
+
+
+def read_manifest(path: Path) -> dict:
+  """The manifest of the saved model at ``path``.
+
+  Raises:
+    ValueError: naming ``path``: no jaxres saved model there.
+  """
+  return _manifest(path, MANIFEST, FORMAT, "jaxres saved model")
 
 
 def _is_saved_model(path: Path) -> bool:
@@ -95,15 +165,7 @@ def read(path: Path) -> tuple[dict, list[bytes], list[np.ndarray]]:
     ValueError: naming ``path``: not a jaxres export, a newer format version,
       or a damaged file (missing, unreadable, or not the bytes it was saved as).
   """
-  file = path / MANIFEST
-  if not file.is_file():
-    raise ValueError(f"{path}: not a jaxres saved model (no {MANIFEST}).")
-  try:
-    manifest = json.loads(file.read_text())
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-    raise ValueError(f"{path}: corrupted {MANIFEST} ({err}).") from None
-  if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-    raise ValueError(f"{path}: {MANIFEST} does not describe a jaxres saved model.")
+  manifest = read_manifest(path)
   if manifest.get("version") != VERSION:
     raise ValueError(
       f"{path}: saved model format version {manifest.get('version')!r}; this jaxres reads version {VERSION}."
@@ -112,10 +174,22 @@ def read(path: Path) -> tuple[dict, list[bytes], list[np.ndarray]]:
     programs = [
       (path / "programs" / f"{i}.jaxexport").read_bytes() for i in range(len(manifest["signatures"]))
     ]
-    state = [_array(path / "state" / f"{i}.npy", entry) for i, entry in enumerate(manifest["state"])]
+    state = [
+      _padded(_array(path / "state" / f"{i}.npy", entry), entry) for i, entry in enumerate(manifest["state"])
+    ]
   except (OSError, KeyError, TypeError, ValueError) as err:
     raise ValueError(f"{path}: corrupted saved model ({err}).") from None
   return manifest, programs, state
+
+
+def _padded(array: np.ndarray, entry: dict) -> np.ndarray:
+  """``array`` with the free rows the manifest ``entry`` says its programs take (zeros)."""
+  total = entry.get("rows")
+  if total is None:
+    return array
+  if not isinstance(total, int) or total < len(array):
+    raise ValueError(f"rows {total!r} of an array of {len(array)} rows")
+  return np.concatenate([array, np.zeros((total - len(array), *array.shape[1:]), array.dtype)])
 
 
 def _array(file: Path, entry: dict) -> np.ndarray:

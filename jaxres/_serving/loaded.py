@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import jax
 import numpy as np
 
+from jaxres._serving import updates
 from jaxres._serving.signature import Input
 
 
@@ -18,13 +22,14 @@ class LoadedSignature:
   """
 
   def __init__(
-    self, name: str, inputs: tuple[Input, ...], outputs: list[str], max_length: int, exported, state
+    self, name: str, inputs: tuple[Input, ...], outputs: list[str], max_length: int, exported, places
   ):
     self.name = name
     self.outputs = list(outputs)
     self._inputs = inputs
     self._max_length = max_length
-    self._state = state
+    self._places = list(places)  # which arrays of the serving state the program takes, in order
+    self._state: list = []
     self._call = jax.jit(exported.call)
     self._out_dims = {
       k: [str(d) for d in a.shape] for k, a in zip(self.outputs, exported.out_avals, strict=True)
@@ -55,6 +60,10 @@ class LoadedSignature:
     args = [i.encode(inputs[i.name], self._max_length) for i in self._inputs]
     return self._call(self._state, args)
 
+  def _take(self, state: list) -> None:
+    """Reads its arrays from the serving ``state`` (device arrays), as :class:`LoadedModel` holds it."""
+    self._state = [state[k] for k in self._places]
+
   def _empty(self, inputs: dict, empty: list[str]) -> dict[str, jax.Array]:
     padded = {}
     for i in self._inputs:
@@ -72,12 +81,63 @@ class LoadedSignature:
 
 
 class LoadedModel:
-  """What :func:`jaxres.saved_model.load` returns: ``signatures`` by name, and ``platforms``."""
+  """What :func:`jaxres.saved_model.load` returns: ``signatures`` by name, and ``platforms``.
 
-  def __init__(self, path, signatures: dict[str, LoadedSignature], platforms: tuple[str, ...]):
+  A model exported with ``updatable=True`` also has a ``step`` and takes the
+  deltas of later steps in place (:meth:`update`).
+  """
+
+  def __init__(
+    self,
+    path,
+    signatures: dict[str, LoadedSignature],
+    platforms: tuple[str, ...],
+    state: list[np.ndarray],
+    lineage: dict | None,
+  ):
     self.path = path
     self.signatures = signatures
     self.platforms = platforms
+    self._host = list(state)  # the serving state on the host, what deltas are applied to
+    read = sorted({k for s in signatures.values() for k in s._places})
+    self._device = {k: jax.numpy.asarray(state[k]) for k in read}
+    self._lineage = lineage
+    for signature in signatures.values():
+      signature._take(self._device)
+
+  @property
+  def step(self) -> int | None:
+    """The training step served (``None``: exported without ``updatable=True``)."""
+    return None if self._lineage is None else self._lineage["step"]
+
+  def update(self, delta) -> None:
+    """Applies the delta at ``delta`` (:func:`jaxres.saved_model.save_delta`) in place.
+
+    The signatures then answer as a model exported at the delta's step
+    would, from the same compiled programs (nothing is reloaded or
+    recompiled). Each table changed is rebuilt on the host: one pass over
+    its served rows and a sort of its entries.
+
+    Raises:
+      TypeError: ``delta`` is not a path.
+      ValueError: naming the directory: the model was exported without
+        ``updatable=True``; not a delta, or a damaged one; a delta of
+        another model, of a step not after the one served, or one that
+        does not follow the step served (apply those in between first); a
+        table that would outgrow its room. The model is left as it was.
+    """
+    if not isinstance(delta, (str, os.PathLike)):
+      raise TypeError(f"delta: expected a directory path, got {type(delta).__name__}.")
+    if self._lineage is None:
+      raise ValueError(f"{self.path}: exported without updatable=True; it takes no deltas.")
+    changed, lineage = updates.applied(self._host, self._lineage, Path(delta))
+    device = {k: jax.numpy.asarray(x) for k, x in changed.items() if k in self._device}
+    for k, x in changed.items():
+      self._host[k] = x
+    self._device |= device
+    self._lineage = lineage
+    for signature in self.signatures.values():
+      signature._take(self._device)
 
   def __repr__(self) -> str:
     return (

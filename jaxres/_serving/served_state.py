@@ -31,29 +31,30 @@ from jaxres._shell.trackable import AutoTrackable
 Rebuild = Callable[[list], Any]
 
 
-def serving_copy(obj) -> Any:
-  """``obj`` as a signature reads it: modules in inference mode, tables read-only."""
+def serving_copy(obj, served: Callable[[Table], Table] = read_only) -> Any:
+  """``obj`` as a signature reads it: modules in inference mode, each table as ``served(table)``
+  (its read-only form), the tables taken in a fixed order (the same for objects alike)."""
   if isinstance(obj, AutoTrackable):
-    served = copy.copy(obj)
+    copied = copy.copy(obj)
     for name, child in obj._trackable_children().items():
-      served._replace_trackable_child(name, serving_copy(child))
-    return served
+      copied._replace_trackable_child(name, serving_copy(child, served))
+    return copied
   if isinstance(obj, (list, tuple)) and not nnx.graphlib.is_graph_node(obj):
-    return type(obj)(serving_copy(x) for x in obj)
+    return type(obj)(serving_copy(x, served) for x in obj)
   if isinstance(obj, dict):
-    return {k: serving_copy(v) for k, v in obj.items()}
+    return {k: serving_copy(v, served) for k, v in obj.items()}
   if isinstance(obj, Table):
-    return read_only(obj)
+    return served(obj)
   if not nnx.graphlib.is_graph_node(obj):
     return obj
   graphdef, state = nnx.split(obj)
-  served = nnx.merge(graphdef, state)  # new modules and variables, the same arrays
-  for _, node in nnx.iter_graph(served):
+  copied = nnx.merge(graphdef, state, copy=True)  # new modules and variables, the same arrays
+  for _, node in nnx.iter_graph(copied):
     if isinstance(node, nnx.Module):
       node.set_attributes(deterministic=True, use_running_average=True, raise_if_not_found=False)
     elif isinstance(node, nnx.Variable) and isinstance(node.get_value(), Table):
-      node.set_value(read_only(node.get_value()))
-  return served
+      node.set_value(served(node.get_value()))
+  return copied
 
 
 def split(obj, path: str = "") -> tuple[list, list[str], Rebuild]:

@@ -233,12 +233,16 @@ def _merge(table: SortedTable, words, rows, fresh, position):
   )
 
 
-def read_only(table: Table) -> SortedTable:
+def read_only(table: Table, capacity: int | None = None) -> SortedTable:
   """The live entries of ``table`` (any storage, sharded or not) in the least room, to be read.
 
   A sorted table of exactly those entries (its capacity their number, at
-  least 1), with the same keys, values and default, and no eviction policy,
-  scores or counters: what a served model reads. O(capacity), eager.
+  least 1, or ``capacity`` rows: room for entries to come), with the same
+  keys, values and default, and no eviction policy, scores or counters: what
+  a served model reads. O(capacity), eager.
+
+  Raises:
+    ValueError: ``capacity`` is below the number of entries.
 
   Examples:
     >>> import jax.numpy as jnp, jaxres as jr
@@ -250,12 +254,19 @@ def read_only(table: Table) -> SortedTable:
   keys, values, valid = table.export()
   live = np.asarray(jax.device_get(valid))
   count = int(live.sum())  # live entries come first
-  default = tuple(jnp.asarray(jax.device_get(d)) for d in table.default)
-  empty = _empty(max(1, count), table.key_spec, table.value_spec, default)
+  if capacity is not None and capacity < count:
+    raise ValueError(f"capacity: {capacity} rows cannot hold the table's {count} entries.")
+  empty = read_only_like(table, capacity or max(1, count))
   if not count:
     return empty
   taken = jax.tree.map(lambda x: np.asarray(jax.device_get(x))[:count], (keys, values))
   return empty.import_(*taken)
+
+
+def read_only_like(table: Table, capacity: int) -> SortedTable:
+  """An empty sorted table of ``capacity`` rows with ``table``'s keys, values and default."""
+  default = tuple(jnp.asarray(jax.device_get(d)) for d in table.default)
+  return _empty(check_capacity(capacity), table.key_spec, table.value_spec, default)
 
 
 def _empty(capacity, key_spec, value_spec, default):
