@@ -22,3 +22,13 @@ def table_at(step: int, mesh) -> jr.ShardedTable:
   n = 150 + 50 * step
   rows = np.stack([KEYS % 1000, np.full(300, step)], 1).astype(np.float32)
   return empty_table(mesh).insert(KEYS[:n], {"row": rows[:n], "count": (KEYS * 3 + step)[:n]})
+
+
+def changed(table, step: int):
+  """``table`` after step ``step`` of the incremental tests: 25 keys in, 5 out, 10 rows written."""
+  new = KEYS[150 + 25 * (step - 1) : 150 + 25 * step]
+  rows = np.stack([new % 1000, np.full(len(new), -step)], 1).astype(np.float32)
+  table = table.insert(new, {"row": rows, "count": new * 5 + step})
+  table = table.remove(KEYS[10 * step : 10 * step + 5])
+  rewritten = KEYS[100 + step : 110 + step]
+  return table.insert(rewritten, {"row": np.full((10, 2), step, np.float32), "count": rewritten - step})

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from children import progress
-from multiprocess_table import KEYS, VALUE, empty_table, table_at
+from multiprocess_table import KEYS, VALUE, changed, empty_table, table_at
 from oracle import entries, mesh_of
 
 import jaxres as jr
@@ -111,6 +111,25 @@ print(json.dumps({
   "clock": [int(fresh.table.clock), int(root.table.clock)], "rows_read": sorted(blocks.rows),
   "weights": gathered,
 }))
+"""
+
+SAVE_INCREMENTAL = """
+from multiprocess_table import changed, empty_table, table_at
+root = jr.AutoTrackable()
+root.table, root.step = table_at(0, mesh), jnp.array(0)
+manager = jr.CheckpointManager(path + "/run", jr.Checkpoint(model=root), incremental=True)
+manager.save(0)
+for step in (1, 2, 3):
+  root.table, root.step = changed(root.table, step), jnp.array(step)
+  manager.save(step)
+manager.wait_until_finished()
+for step in (1, 2, 3):  # each step composed by both processes, each reading its own shards
+  fresh = jr.AutoTrackable()
+  fresh.table, fresh.step = empty_table(mesh), jnp.array(-1)
+  jr.CheckpointManager(path + "/run", jr.Checkpoint(model=fresh)).restore(step).assert_consumed()
+  jr.Checkpoint(model=fresh).save(path + f"/composed_{step}")
+formats = [json.load(open(f"{path}/run/{s}/manifest/metadata"))["format"] for s in (0, 1, 2, 3)]
+print(json.dumps({"formats": formats, "size": int(root.table.size)}))
 """
 
 SAVE_FOREVER = """
@@ -227,6 +246,28 @@ def test_two_processes_save_together_and_restore_onto_other_meshes(tmp_path):
   with pytest.raises(ValueError, match=f"{tmp_path / 'ckpt'}: array {key} is corrupted"):
     jr.Checkpoint(model=later).restore(tmp_path / "ckpt")
   assert entries(later.table) == before
+
+
+@pytest.mark.slow
+def test_two_processes_save_incremental_steps(tmp_path):
+  """Each process writes its own shards' changes; the chain restores on two processes and on one."""
+  results = _run_together(SAVE_INCREMENTAL, tmp_path)
+  expected = [table_at(0, mesh_of(8))]
+  for step in (1, 2, 3):
+    expected.append(changed(expected[-1], step))
+  for result in results:
+    assert result["formats"][0] != result["formats"][1]  # a whole step, then deltas
+    assert len(set(result["formats"][1:])) == 1 and result["size"] == int(expected[3].size)
+  for step in (1, 2, 3):
+    for source in (f"composed_{step}", None):  # composed by the two processes, or here
+      root = jr.AutoTrackable()
+      root.table, root.step = empty_table(mesh_of(4)), jnp.array(-1)
+      if source is None:
+        jr.CheckpointManager(tmp_path / "run", jr.Checkpoint(model=root)).restore(step).assert_consumed()
+      else:
+        jr.Checkpoint(model=root).restore(tmp_path / source).assert_consumed()
+      assert int(root.step) == step and entries(root.table) == entries(expected[step]), (step, source)
+      np.testing.assert_array_equal(root.table.scores(KEYS), expected[step].scores(KEYS))
 
 
 @pytest.mark.slow

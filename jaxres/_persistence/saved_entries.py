@@ -117,7 +117,7 @@ def delta_to_blocks(
 ) -> dict:
   """The named arrays of a delta of a table in shards: as :func:`to_blocks`, each shard's changed
   entries, and ``blocks/live`` (``uint8[shards, bytes]``: each shard's live slots, packed bits)."""
-  return to_blocks(blocks, counts, key_spec, value_spec, **extra) | {_BLOCK + _LIVE: np.asarray(live)}
+  return to_blocks(blocks, counts, key_spec, value_spec, **extra) | {_BLOCK + _LIVE: live}
 
 
 def delta_live(delta: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -162,20 +162,37 @@ def compose(earlier: dict[str, np.ndarray], delta: dict[str, np.ndarray]) -> dic
     rows = _composed_rows(earlier, delta, np.asarray(delta[_LIVE]), fields)
     return {name: rows.get(name, array) for name, array in delta.items() if name != _LIVE}
   fields = [name for name in delta if name.startswith(_BLOCK) and name != live_name]
-  shards = []
-  for shard, (before, after) in enumerate(zip(earlier[_COUNTS], delta[_COUNTS])):
-    rows_before = {name: np.asarray(earlier[name])[shard][:before] for name in fields}
-    rows_after = {name: np.asarray(delta[name])[shard][:after] for name in fields}
-    shards.append(_composed_rows(rows_before, rows_after, np.asarray(delta[live_name])[shard], fields))
-  counts = np.array([len(rows[slots_name]) for rows in shards], np.int32)
-  width = max(1, int(counts.max(initial=0)))
+  read = delta[live_name]  # on several processes, each read (and composes) only some shards' rows
+  held = sorted(read.rows) if isinstance(read, Blocks) else range(len(delta[_COUNTS]))
+  shards = {}
+  for shard in held:
+    before, after = int(earlier[_COUNTS][shard]), int(delta[_COUNTS][shard])
+    rows_before = {name: _row(earlier[name], shard)[:before] for name in fields}
+    rows_after = {name: _row(delta[name], shard)[:after] for name in fields}
+    shards[shard] = _composed_rows(rows_before, rows_after, _row(read, shard), fields)
+  counts = np.array(delta[_COUNTS], np.int32)  # of the shards other processes compose: theirs to say
+  for shard, rows in shards.items():
+    counts[shard] = len(rows[slots_name])
+  width = max(1, max((len(rows[slots_name]) for rows in shards.values()), default=0))
 
   def padded(rows: np.ndarray) -> np.ndarray:
     return np.pad(rows, [(0, width - len(rows))] + [(0, 0)] * (rows.ndim - 1))
 
   out = {name: array for name, array in delta.items() if name not in fields and name != live_name}
   out[_COUNTS] = counts
-  return out | {name: np.stack([padded(rows[name]) for rows in shards]) for name in fields}
+  for name in fields:
+    rows = {shard: padded(shards[shard][name]) for shard in held}
+    if isinstance(read, Blocks):
+      dtype = delta[name].dtype
+      out[name] = Blocks((len(counts), width, *delta[name].shape[2:]), dtype, rows)
+    else:
+      out[name] = np.stack([rows[shard] for shard in held])
+  return out
+
+
+def _row(array, shard: int) -> np.ndarray:
+  """Row ``shard`` of a block array (read whole, or as :class:`Blocks`)."""
+  return array.rows[shard] if isinstance(array, Blocks) else np.asarray(array)[shard]
 
 
 def _composed_rows(earlier: dict, delta: dict, packed_live: np.ndarray, fields: list[str]) -> dict:

@@ -92,19 +92,23 @@ def changes(table: Table, since: Mark | None) -> tuple[Mark | None, dict[str, np
 
 @changes.register
 def _(table: ShardedTable, since: Mark | None) -> tuple[Mark | None, dict | None]:
-  """Each shard's changes as blocks (:func:`saved_entries.delta_to_blocks`); one process only."""
-  if table.slot_layout is None or jax.process_count() > 1:
+  """Each shard's changes as blocks (:func:`saved_entries.delta_to_blocks`); on several processes
+  global arrays, each process its own shards'."""
+  if table.slot_layout is None:
     return None, None
   mark, follows = _marked(table, since)
   if not follows:
     return mark, None
-  delta = table.shard_changes(since.version)
-  if delta is None:
+  changed = table.shard_changes(since.version)
+  if changed is None:
     return None, None
-  blocks, counts, live = delta
+  live, counts = changed
+  counts = processes.replicated(counts)
+  width = max(1, 1 << max(0, int(counts.max()) - 1).bit_length())
+  blocks = table.changed_entries(since.version, width)
   counters = None
   if table.eviction is not None:
-    clock, evictions = jax.device_get((table.shards.clock, table.shards.evictions))
+    clock, evictions = (processes.replicated(x) for x in (table.shards.clock, table.shards.evictions))
     counters = {"clock": clock[0], "evictions": np.int32(evictions.sum())}
   return mark, saved_entries.delta_to_blocks(
     blocks, counts, live, table.key_spec, table.value_spec, counters=counters, layout=table.slot_layout

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
-
 from jaxres._errors import check_int
 from jaxres._tracking import increments, manifest, orbax_io, restoring, saving
 from jaxres._tracking.checkpoint import Checkpoint
@@ -32,7 +30,8 @@ class CheckpointManager:
   steps a step needs and gives exactly the state a whole save would have;
   ``max_to_keep`` keeps the steps that kept steps need. The first save after
   the manager is made or restores is whole. Sorted tables are saved whole in
-  every step, as are the saves of several processes (for now).
+  every step. With several processes each writes (and composes) its own
+  shards' changes.
 
   Args:
     directory: where the numbered checkpoints live.
@@ -102,7 +101,7 @@ class CheckpointManager:
       full_every = check_int(full_every, "full_every", low=1)
     self.directory = absolute_path(directory, "directory")
     self.checkpoint = checkpoint
-    self._incremental = incremental and jax.process_count() == 1
+    self._incremental = incremental
     self._max_to_keep, self._full_every = max_to_keep, full_every
     # The manager prunes (not Orbax), keeping the steps that kept steps need: the directory may hold
     # incremental steps even where this manager writes whole ones.

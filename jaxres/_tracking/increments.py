@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jaxres._persistence import saved_entries
+from jaxres._persistence.processes import Blocks
 from jaxres._tracking import manifest
 
 _LOCATION = ("step", "key")
@@ -112,13 +113,18 @@ def materialize(step: int, load: Callable[[int], tuple[dict, dict]]) -> tuple[di
       if node.get("delta"):
         node, arrays = _composed(path, node, arrays, whole_of(contents["parent"]), contents["parent"])
       nodes[path] = node
-    specs = {
-      key: {"shape": list(np.shape(a)), "dtype": str(np.asarray(a).dtype)} for key, a in arrays.items()
-    }
+    specs = {key: _described(a) for key, a in arrays.items()}
     made[s] = manifest.build(nodes, specs), arrays
     return made[s]
 
   return whole_of(step)
+
+
+def _described(array) -> dict:
+  """The spec of an array read back (on several processes, perhaps only some of its rows)."""
+  if isinstance(array, Blocks):
+    return {"shape": list(array.shape), "dtype": str(np.dtype(array.dtype))}
+  return {"shape": list(np.shape(array)), "dtype": str(np.asarray(array).dtype)}
 
 
 def _composed(path: str, node: dict, arrays: dict, parent: tuple[dict, dict], parent_step: int) -> tuple:

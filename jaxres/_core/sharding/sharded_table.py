@@ -438,28 +438,30 @@ class ShardedTable(Table):
     """uint32[]: calls that changed the table so far (every call reaches every shard)."""
     return self.shards.version[0]
 
-  def shard_changes(self, since) -> tuple[dict, np.ndarray, np.ndarray] | None:
-    """What changed in each shard since the table's ``version`` read ``since`` (see
-    :meth:`jaxres.Table.changes`): ``(blocks, counts, live)``.
+  def shard_changes(self, since) -> tuple[jax.Array, jax.Array] | None:
+    """Where each shard changed since the table's ``version`` read ``since`` (see
+    :meth:`jaxres.Table.changes`): ``(live, counts)``, or ``None`` where the storage gives no changes.
 
-    ``blocks`` as :meth:`shard_entries` gives them, each shard's changed
-    entries first (``counts[i]`` of them) with their slots; ``live``:
-    ``uint8[shards, ceil(slots per shard / 8)]``, each shard's live slots as
-    packed bits. ``None`` where the storage gives no changes. O(capacity) on
-    the devices, the changed entries to the host (of one process: every shard).
+    ``live``: ``uint8[shards, ceil(slots per shard / 8)]``, each shard's live
+    slots as packed bits; ``counts``: ``int32[shards]``, each shard's changed
+    entries (:meth:`changed_entries` gives them). Both split over the mesh
+    axis like :meth:`shard_entries` (global arrays on several processes).
+    O(capacity) on the devices.
     """
     if self.shards.row_stamps.shape[-1] == 0:
       return None
-    since = jnp.asarray(since, jnp.uint32)
-    live, changed = jax.device_get(_jit_shard_changed(self, since))
-    counts = np.unpackbits(changed, axis=1, count=self.shards.num_slots).sum(axis=1)
-    width = max(1, 1 << max(0, int(counts.max()) - 1).bit_length())
-    return jax.device_get(_jit_changed_entries(self, since, width)), counts, live
+    return _jit_shard_changed(self, jnp.asarray(since, jnp.uint32))
+
+  def changed_entries(self, since, width: int) -> dict:
+    """Each shard's entries changed since ``since`` first, in ``[shards, width, ...]`` arrays split over
+    the mesh axis, as :meth:`shard_entries` gives its entries (with their ``"slots"``); ``width``:
+    at least the largest count of :meth:`shard_changes`."""
+    return _jit_changed_entries(self, jnp.asarray(since, jnp.uint32), width)
 
   def _shard_changed(self, since):
     def one(shard):
       live, changed = shard._changed_slots(since)
-      return jnp.packbits(live), jnp.packbits(changed)
+      return jnp.packbits(live), jnp.sum(changed, dtype=jnp.int32)
 
     return jax.vmap(one)(self.shards)
 
