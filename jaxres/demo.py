@@ -12,7 +12,10 @@ model (deferred restore) and checks that the resumed
 losses are bitwise those of the uninterrupted run. It ends by evaluating the
 model on held-out data in inference mode (which changes nothing), exporting
 it with ``jr.saved_model`` and serving a few requests from the export, whose
-answers must equal the model's bit for bit. Exit status 1 if any check fails.
+answers must equal the model's bit for bit; then it trains a little more and
+keeps the served model fresh with a delta (``save_delta`` and
+``LoadedModel.update``, no reload), whose answers must again equal the
+model's. Exit status 1 if any check fails.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from flax import nnx
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 import jaxres as jr
-from jaxres.examples import ClickStream, Run, RunConfig, evaluate, export, predict
+from jaxres.examples import ClickStream, Run, RunConfig, evaluate, export, predict, train_step
 
 
 def progress(label: str, first: int, last: int):
@@ -133,7 +136,8 @@ def resume_and_compare(config: RunConfig, workdir: str, step: int, losses: np.nd
 
 def evaluate_and_serve(run: Run, path: str, steps: int) -> bool:
   """Held-out loss in inference mode (nothing in the model changes), then the model exported with
-  ``jr.saved_model``, loaded back and asked a few requests; whether the answers match the model's."""
+  ``jr.saved_model``, loaded back and asked a few requests; whether the answers match the model's.
+  Then 100 more training steps reach the served model as a delta, and the answers are checked again."""
   config, model = run.config, run.model
   held_out = ClickStream(
     batch_size=config.batch_size, num_fields=config.num_fields, vocab_size=config.vocab_size, seed=1
@@ -144,23 +148,46 @@ def evaluate_and_serve(run: Run, path: str, steps: int) -> bool:
   verdict = "yes" if unchanged else "NO"
   print(f"evaluate: held-out loss {loss:.4f} in inference mode; embedding unchanged: {verdict}")
   start = time.perf_counter()
-  export(model, path, config.num_fields)
+  export(model, path, config.num_fields, updatable=True, step=run.step)
   seconds = time.perf_counter() - start
-  served = jr.saved_model.load(path).signatures["serving_default"]
-  model.eval()
-  same = True
-  for size in (1, 7, 64):
-    ids = held_out.batch(steps + size).ids[:size]
-    answer = np.asarray(served(ids=ids)["probability"])
-    expected = np.asarray(_predict(model, jr.keys.split64(ids))["probability"])
-    same &= answer.tobytes() == expected.tobytes()
-  model.train()
+  served = jr.saved_model.load(path)
+  same = _answers_alike(served, model, held_out, steps)
   state = directory_size(os.path.join(path, "state")) / 2**20
   print(
     f"serve: exported to {path} in {seconds:.1f} s (serving state {state:.1f} MiB), loaded, and asked "
     f"requests of 1, 7 and 64 examples: answers bitwise equal to the model's: {'yes' if same else 'NO'}"
   )
-  return unchanged and same
+  for step in range(run.step, run.step + 100):
+    batch = run.stream.batch(step)
+    train_step(run.model, run.optimizer, jr.keys.split64(batch.ids), batch.labels)
+  delta = os.path.join(tempfile.mkdtemp(prefix="jaxres-demo-delta-"), "delta")
+  start = time.perf_counter()
+  jr.saved_model.save_delta(model, delta, since=path, step=run.step + 100)
+  written = time.perf_counter() - start
+  start = time.perf_counter()
+  served.update(delta)
+  applied = time.perf_counter() - start
+  fresh = _answers_alike(served, model, held_out, steps)
+  print(
+    f"fresh: 100 more training steps sent to the served model as a delta of "
+    f"{directory_size(delta) / 2**20:.2f} MiB (written in {written:.2f} s, applied in place in "
+    f"{applied:.2f} s, no reload); answers bitwise equal to the model's: {'yes' if fresh else 'NO'}"
+  )
+  shutil.rmtree(os.path.dirname(delta), ignore_errors=True)
+  return unchanged and same and fresh
+
+
+def _answers_alike(served, model, held_out: ClickStream, steps: int) -> bool:
+  """Whether ``served`` answers requests of 1, 7 and 64 held-out examples bit for bit as ``model``."""
+  model.eval()
+  same = True
+  for size in (1, 7, 64):
+    ids = held_out.batch(steps + size).ids[:size]
+    answer = np.asarray(served.signatures["serving_default"](ids=ids)["probability"])
+    expected = np.asarray(_predict(model, jr.keys.split64(ids))["probability"])
+    same &= answer.tobytes() == expected.tobytes()
+  model.train()
+  return same
 
 
 _predict = nnx.jit(predict)

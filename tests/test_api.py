@@ -50,6 +50,8 @@ def test_demo_trains_checkpoints_and_resumes_bitwise(tmp_path, capsys):
   assert "2 resumed losses bitwise equal to the uninterrupted run: yes" in out
   assert sorted(p.name for p in workdir.iterdir()) == ["2", "4", "6"]
   assert jr.saved_model.load(str(export)).signatures["serving_default"] is not None
+  assert out.count("answers bitwise equal to the model's: yes") == 2  # exported, then kept fresh
+  assert "fresh: 100 more training steps sent to the served model as a delta" in out
   with pytest.raises(SystemExit):  # the demo never resumes someone else's run
     demo.main(["--workdir", str(workdir)])
   assert "--workdir" in capsys.readouterr().err
