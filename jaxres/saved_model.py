@@ -50,7 +50,7 @@ def save(
   platforms=("cpu", "cuda"),
   format: str = "jaxres",
   updatable: bool = False,
-  step: int = 0,
+  step: int | None = None,
 ) -> None:
   """Exports ``obj`` with its ``signatures`` to the directory ``path``.
 
@@ -71,7 +71,8 @@ def save(
       so that the loaded model takes the deltas of later steps
       (:func:`save_delta`, :meth:`LoadedModel.update`) without recompiling;
       the directory still holds only the live entries (format ``"jaxres"``).
-    step: the training step exported (what deltas follow; ``updatable`` only).
+    step: with ``updatable``, the training step exported (deltas follow it;
+      default 0).
 
   Raises:
     TypeError: bad arguments (naming them), or a signature that changes the
@@ -99,7 +100,9 @@ def save(
     raise TypeError(f"updatable: expected a bool, got {updatable!r}.")
   if updatable and format != "jaxres":
     raise ValueError(f"updatable: only a saved model of format 'jaxres' takes deltas, not {format!r}.")
-  step = _check_step(step)
+  if step is not None and not updatable:
+    raise ValueError("step: only an updatable export (updatable=True) records the step deltas follow.")
+  step = _check_step(0 if step is None else step)
   recorder = updates.Recorder() if updatable else None
   state = served_state.split(served_state.serving_copy(obj, recorder or read_only))
   leaves, names, _ = state
@@ -135,6 +138,8 @@ def save(
     state += extra
   blobs = [bytes(p.exported.serialize()) for p in programs.values()]
   directory.write(path, manifest, blobs, state, checkpoint, rows)
+  if recorder is not None:
+    updates.written(manifest["updates"], obj)
 
 
 def save_delta(obj, path, since, *, step: int) -> None:
@@ -144,12 +149,14 @@ def save_delta(obj, path, since, *, step: int) -> None:
   Of each table, the entries inserted or changed since (read from its change
   stamps, O(changed) entries and one bit per slot) and which slots hold an
   entry now, so that the served model drops those removed or evicted; a table
-  rebuilt since (grown, replaced) comes whole. Other arrays the signatures
-  read come whole where their bytes changed.
+  rebuilt since (grown, re-sharded, or a sorted table) comes whole, and so
+  does every table when ``since`` was not written by this process from this
+  same ``obj`` (a restarted trainer's first delta). Other arrays the
+  signatures read come whole where their bytes changed.
 
   Args:
     obj: the object exported to ``since``'s chain, trained further.
-    path: the directory to write (replaced if it exists).
+    path: the directory to write (new, empty, or an earlier delta, replaced).
     since: the export (``save(..., updatable=True)``) or the delta this one follows.
     step: this delta's training step, after ``since``'s.
 
@@ -176,7 +183,7 @@ def save_delta(obj, path, since, *, step: int) -> None:
     >>> served.step, served.signatures["find"](ids=np.array([1, 2, 3], np.int32))["output"].tolist()
     (1, [-1.0, 1.5, 2.5])
   """
-  path = directory.check_target(path)
+  path = updates.check_target(path)
   if not isinstance(since, (str, os.PathLike)):
     raise TypeError(f"since: expected the path of an export or a delta, got {type(since).__name__}.")
   updates.write_delta(obj, path, Path(since), _check_step(step))

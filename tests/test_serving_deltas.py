@@ -277,6 +277,8 @@ def test_bad_exports_and_deltas_are_refused(tmp_path):
     jr.saved_model.save(trainer.model, tmp_path / "x", SIGNATURES, updatable="yes")
   with pytest.raises(TypeError, match="step"):
     jr.saved_model.save(trainer.model, tmp_path / "x", SIGNATURES, updatable=True, step=-1)
+  with pytest.raises(ValueError, match="updatable=True"):
+    jr.saved_model.save(trainer.model, tmp_path / "x", SIGNATURES, step=3)
   jr.saved_model.save(trainer.model, tmp_path / "export", SIGNATURES, updatable=True, step=5)
   with pytest.raises(ValueError, match="step: 5 is not after step 5"):
     jr.saved_model.save_delta(trainer.model, tmp_path / "d", since=tmp_path / "export", step=5)
@@ -285,6 +287,17 @@ def test_bad_exports_and_deltas_are_refused(tmp_path):
   with pytest.raises(TypeError, match="since"):
     jr.saved_model.save_delta(trainer.model, tmp_path / "d", since=None, step=6)
   assert not (tmp_path / "d").exists() and not (tmp_path / "x").exists()
+  with pytest.raises(ValueError, match="not a delta"):  # never over the export (or anything else)
+    jr.saved_model.save_delta(trainer.model, tmp_path / "export", since=tmp_path / "export", step=6)
+  assert jr.saved_model.load(tmp_path / "export").step == 5
+  jr.saved_model.save_delta(trainer.model, tmp_path / "d", since=tmp_path / "export", step=6)
+  trainer.train(1)
+  jr.saved_model.save_delta(trainer.model, tmp_path / "d", since=tmp_path / "export", step=7)  # replaced
+  with pytest.raises(ValueError, match="is the export or delta the new one follows"):
+    jr.saved_model.save_delta(trainer.model, tmp_path / "d", since=tmp_path / "d", step=8)
+  served = jr.saved_model.load(tmp_path / "export")
+  served.update(tmp_path / "d")
+  _same_answers(_answers(served), _answers(_whole_export(trainer.model, tmp_path / "whole")))
 
 
 def test_a_table_outgrowing_its_room_asks_for_a_new_export(tmp_path):
@@ -307,3 +320,51 @@ def test_an_updatable_export_stores_only_live_rows(tmp_path):
   assert max(len(x) for x in stored if x.ndim) == 10
   served = jr.saved_model.load(tmp_path / "export")
   assert served.signatures["find"](k=np.array([3, 11], np.int32))["output"].tolist() == [1.0, 0.0]
+
+
+def test_a_delta_follows_the_very_export_or_delta_it_was_written_against(tmp_path):
+  """Two deltas written against the same export (a branch): a model serving one refuses what follows
+  the other, although the steps line up."""
+  trainer = Trainer(Model())
+  trainer.train(2)
+  jr.saved_model.save(trainer.model, tmp_path / "export", SIGNATURES, updatable=True, step=10)
+  served = jr.saved_model.load(tmp_path / "export")
+  trainer.train(1)
+  jr.saved_model.save_delta(trainer.model, tmp_path / "a", since=tmp_path / "export", step=11)
+  trainer.train(1)
+  jr.saved_model.save_delta(trainer.model, tmp_path / "b", since=tmp_path / "export", step=11)
+  trainer.train(1)
+  jr.saved_model.save_delta(trainer.model, tmp_path / "after_b", since=tmp_path / "b", step=12)
+  served.update(tmp_path / "a")
+  with pytest.raises(ValueError, match="does not follow what this model serves"):
+    served.update(tmp_path / "after_b")
+  other = jr.saved_model.load(tmp_path / "export")
+  other.update(tmp_path / "b")
+  other.update(tmp_path / "after_b")
+  _same_answers(_answers(other), _answers(_whole_export(trainer.model, tmp_path / "whole")))
+
+
+def test_rebuilt_and_restarted_tables_reach_the_served_model_whole(tmp_path):
+  """A stateful table rebuilt by import_ (its version otherwise as before) and a trainer restarted
+  from a checkpoint (another object, whose versions say nothing of the served ones) send every entry."""
+  table = jr.MutableHashTable(jnp.int64, jnp.float32, default_value=-1.0, initial_capacity=64)
+  table.insert(np.array([1, 2]), np.array([0.5, 1.5], np.float32))
+  find = jr.saved_model.Signature(lambda t, k: t.lookup(k)[0], k=jax.ShapeDtypeStruct(("n",), jnp.int64))
+  jr.saved_model.save(table, tmp_path / "export", {"find": find}, updatable=True)
+  served = jr.saved_model.load(tmp_path / "export")
+  version = int(table.state.version)
+  table.import_(np.array([7]), np.array([9.0], np.float32))
+  assert int(table.state.version) > version  # the rebuilt state goes on from the one it replaces
+  jr.saved_model.save_delta(table, tmp_path / "d1", since=tmp_path / "export", step=1)
+  served.update(tmp_path / "d1")
+  assert served.signatures["find"](k=np.array([1, 2, 7]))["output"].tolist() == [-1.0, -1.0, 9.0]
+
+  jr.Checkpoint(table=table).save(tmp_path / "ckpt")
+  restarted = jr.MutableHashTable(jnp.int64, jnp.float32, default_value=-1.0, initial_capacity=64)
+  jr.Checkpoint(table=restarted).restore(tmp_path / "ckpt").assert_consumed()
+  for _ in range(5):  # its versions pass the served ones, on another history
+    restarted.insert(np.array([3]), np.array([3.0], np.float32))
+  jr.saved_model.save_delta(restarted, tmp_path / "d2", since=tmp_path / "d1", step=2)
+  assert _kinds(tmp_path / "d2") == ["whole"]
+  served.update(tmp_path / "d2")
+  assert served.signatures["find"](k=np.array([1, 3, 7]))["output"].tolist() == [-1.0, 3.0, 9.0]

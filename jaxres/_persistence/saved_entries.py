@@ -44,6 +44,7 @@ from jaxres._core.encoding import key_specs
 from jaxres._core.encoding.key_specs import KeySpec
 from jaxres._core.encoding.value_specs import ValueSpec
 from jaxres._core.pytrees import leaf_names
+from jaxres._persistence import processes
 from jaxres._persistence.processes import Blocks
 
 _SHARD = re.compile(r"shards/(\d+)/(.+)")
@@ -170,10 +171,12 @@ def compose(earlier: dict[str, np.ndarray], delta: dict[str, np.ndarray]) -> dic
     rows_before = {name: _row(earlier[name], shard)[:before] for name in fields}
     rows_after = {name: _row(delta[name], shard)[:after] for name in fields}
     shards[shard] = _composed_rows(rows_before, rows_after, _row(read, shard), fields)
-  counts = np.array(delta[_COUNTS], np.int32)  # of the shards other processes compose: theirs to say
+  counts = np.zeros(len(delta[_COUNTS]), np.int32)
   for shard, rows in shards.items():
     counts[shard] = len(rows[slots_name])
-  width = max(1, max((len(rows[slots_name]) for rows in shards.values()), default=0))
+  if isinstance(read, Blocks):  # each shard composed by the one process that read it: tell every process
+    counts = processes.everywhere(counts).sum(axis=0, dtype=np.int32)
+  width = max(1, int(counts.max(initial=0)))
 
   def padded(rows: np.ndarray) -> np.ndarray:
     return np.pad(rows, [(0, width - len(rows))] + [(0, 0)] * (rows.ndim - 1))

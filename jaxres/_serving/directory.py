@@ -31,7 +31,8 @@ import jax
 import numpy as np
 
 FORMAT = "jaxres.saved_model"
-VERSION = 1
+VERSION = 2  # 2: state arrays may hold only their rows in use ("rows"); written only where they do
+READS = (1, 2)
 MANIFEST = "saved_model.json"
 
 
@@ -57,7 +58,8 @@ def write(
       entry = _save(staged / "state" / f"{i}.npy", array[:in_use] if total else array)
       described.append(entry | ({"rows": total} if total else {}))
     fill(staged)
-    text = json.dumps({"format": FORMAT, "version": VERSION, **manifest, "state": described}, indent=1)
+    version = VERSION if rows else 1  # what a jaxres without padded rows still reads
+    text = json.dumps({"format": FORMAT, "version": version, **manifest, "state": described}, indent=1)
     (staged / MANIFEST).write_text(text)
     replace(staged, path)
   except BaseException:
@@ -166,9 +168,10 @@ def read(path: Path) -> tuple[dict, list[bytes], list[np.ndarray]]:
       or a damaged file (missing, unreadable, or not the bytes it was saved as).
   """
   manifest = read_manifest(path)
-  if manifest.get("version") != VERSION:
+  if manifest.get("version") not in READS:
     raise ValueError(
-      f"{path}: saved model format version {manifest.get('version')!r}; this jaxres reads version {VERSION}."
+      f"{path}: saved model format version {manifest.get('version')!r}; this jaxres reads versions "
+      f"{', '.join(map(str, READS))}."
     )
   try:
     programs = [

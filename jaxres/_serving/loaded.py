@@ -98,7 +98,7 @@ class LoadedModel:
     self.path = path
     self.signatures = signatures
     self.platforms = platforms
-    self._host = list(state)  # the serving state on the host, what deltas are applied to
+    self._host = list(state) if lineage is not None else None  # what deltas are applied to
     read = sorted({k for s in signatures.values() for k in s._places})
     self._device = {k: jax.numpy.asarray(state[k]) for k in read}
     self._lineage = lineage

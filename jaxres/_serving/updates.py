@@ -6,19 +6,22 @@ come and go without changing the shapes its programs were lowered for. Its
 directory still holds only the live entries (the rest is padded at load), and,
 for each served entry, the slot it sat in in the training table.
 
-The export and every delta record a *lineage*: the model's identity, its
-step, where each table's arrays sit in the serving state (and the version and
-slot layout the training table had), and a CRC-32 of every other array the
-programs read. ``jr.saved_model.save_delta`` compares the training object with
-the lineage of the export or delta it follows and writes only what changed:
+The export and every delta record a *lineage*: the model's identity, an
+identity of its own, its step, where each table's arrays sit in the serving
+state (and the version and slot layout the training table had), and a digest
+of every other array the programs read. ``jr.saved_model.save_delta``
+compares the training object with the lineage of the export or delta it
+follows and writes only what changed:
 
 - of each table, the entries inserted or changed since (with their slots)
   and which training slots hold an entry now, as packed bits, read from the
   table's change stamps (:meth:`jaxres.Table.changes`): the entries removed or
   evicted since are the served ones whose slot is no longer live or holds a
   changed entry. A table rebuilt since (grown, replaced, or one whose storage
-  gives no changes) comes whole.
-- every other array whose CRC-32 changed, whole.
+  gives no changes) comes whole. So does every table when the lineage
+  followed was not written in this process from this same object (a
+  restarted trainer): versions only tell changes apart within one run.
+- every other array whose digest changed, whole.
 
 Applying a delta to a loaded model (:func:`applied`) rebuilds each changed
 table's sorted arrays on the host (one pass over the served table and a sort
@@ -28,8 +31,10 @@ of its entries) and hands the new arrays to the same compiled programs.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
 import uuid
-import zlib
+import weakref
 from pathlib import Path
 
 import jax
@@ -105,8 +110,27 @@ def _mark(entry) -> Mark | None:
   return None if entry is None else Mark(int(entry["version"]), tuple(int(x) for x in entry["layout"]))
 
 
-def _crc(x) -> int:
-  return zlib.crc32(np.ascontiguousarray(jax.device_get(x)).tobytes())
+def _digest(x) -> str:
+  return hashlib.blake2b(np.ascontiguousarray(jax.device_get(x)).tobytes(), digest_size=16).hexdigest()
+
+
+# The lineages this process wrote (by id), each with the object it was written from: a delta follows
+# one of them with the tables' own changes, any other one with every table whole.
+_WRITTEN: dict[str, weakref.ref | None] = {}
+
+
+def written(lineage: dict, obj) -> None:
+  """Notes that this process wrote ``lineage`` from ``obj``."""
+  try:
+    _WRITTEN[lineage["id"]] = weakref.ref(obj)
+  except TypeError:  # an object that takes no weak reference (a list, a dict) is not followed
+    _WRITTEN[lineage["id"]] = None
+
+
+def _follows(lineage: dict, obj) -> bool:
+  """Whether ``obj`` is the object this process wrote ``lineage`` from."""
+  ref = _WRITTEN.get(lineage.get("id"))
+  return ref is not None and ref() is obj
 
 
 # ---------------------------------------------------------------- the export
@@ -155,7 +179,7 @@ def lineage(recorder: Recorder, leaves: list, names: list[str], position: dict[i
       padded[place] = (len(order), served.capacity)
     tables.append(
       {
-        "path": names[index[id(served.keys)]].removesuffix("/keys"),
+        "path": names[index[id(served.keys)]].rpartition("/")[0] or "the object",
         "capacity": served.capacity,
         "key_words": table.key_spec.num_words,
         "fields": fields,
@@ -164,8 +188,15 @@ def lineage(recorder: Recorder, leaves: list, names: list[str], position: dict[i
         "version": int(jax.device_get(table.version)),
       }
     )
-  dense = [[place, leaf, _crc(leaves[leaf])] for leaf, place in position.items() if leaf not in owned]
-  record = {"model": uuid.uuid4().hex, "step": step, "leaves": len(leaves), "tables": tables, "dense": dense}
+  dense = [[place, leaf, _digest(leaves[leaf])] for leaf, place in position.items() if leaf not in owned]
+  record = {
+    "model": uuid.uuid4().hex,
+    "id": uuid.uuid4().hex,
+    "step": step,
+    "leaves": len(leaves),
+    "tables": tables,
+    "dense": dense,
+  }
   return record, extra, padded
 
 
@@ -189,11 +220,30 @@ def read_lineage(path: Path) -> dict:
   return manifest["updates"]
 
 
+def check_target(path) -> Path:
+  """``path`` as a ``Path`` a delta may be written to: new, empty, or an earlier delta.
+
+  Raises:
+    TypeError: ``path`` is not a string or path.
+    ValueError: it names a file, or a directory holding something else.
+  """
+  if not isinstance(path, (str, os.PathLike)):
+    raise TypeError(f"path: expected a directory path, got {type(path).__name__}.")
+  path = Path(path)
+  if path.exists() and not path.is_dir():
+    raise ValueError(f"path: {path} is a file; expected a directory to write the delta to.")
+  if path.is_dir() and any(path.iterdir()) and not (path / DELTA_MANIFEST).is_file():
+    raise ValueError(f"path: {path} holds files that are not a delta; choose an empty or new directory.")
+  return path
+
+
 def write_delta(obj, path: Path, since: Path, step: int) -> None:
   """Writes the delta of ``obj`` against the export or delta at ``since`` (see the module)."""
   parent = read_lineage(since)
   if step <= parent["step"]:
     raise ValueError(f"step: {step} is not after step {parent['step']} of {since}.")
+  if path.resolve() == since.resolve():
+    raise ValueError(f"path: {path} is the export or delta the new one follows.")
   tables: list[Table] = []
 
   def stand_in(table: Table) -> SortedTable:
@@ -206,16 +256,18 @@ def write_delta(obj, path: Path, since: Path, step: int) -> None:
       f"obj: its serving state has {len(leaves)} arrays and {len(tables)} tables; the model at {since} "
       f"has {parent['leaves']} and {len(parent['tables'])}: another model."
     )
+  follows = _follows(parent, obj)
   arrays, kinds, records = {}, [], []
   for t, (table, record) in enumerate(zip(tables, parent["tables"], strict=True)):
     version = int(jax.device_get(table.version))
-    mark = _mark(record["mark"])
+    mark = _mark(record["mark"]) if follows else None
     layout = None if table.slot_layout is None else tuple(int(x) for x in table.slot_layout)
     alike = len(table.value_spec.leaves) == len(record["values"])
     if table.key_spec.num_words != record["key_words"] or not alike:
       raise ValueError(f"obj: the table at {record['path']} has other keys or values than the one served.")
     record = dict(record, version=version)
-    if version == parent["tables"][t]["version"] and layout == (mark and mark.layout):
+    same_layout = layout == (None if record["mark"] is None else tuple(record["mark"]["layout"]))
+    if follows and version == parent["tables"][t]["version"] and same_layout:
       kinds.append("same")
     else:
       served = [place is not None for place in record["values"]]
@@ -232,14 +284,20 @@ def write_delta(obj, path: Path, since: Path, step: int) -> None:
       record["slots_total"] = None if rows.live is None else len(rows.live)
     records.append(record)
   dense = []
-  for place, leaf, crc in parent["dense"]:
-    now = _crc(leaves[leaf])
-    if now != crc:
+  for place, leaf, digest in parent["dense"]:
+    now = _digest(leaves[leaf])
+    if now != digest:
       arrays[f"dense/{place}"] = np.asarray(jax.device_get(leaves[leaf]))
     dense.append([place, leaf, now])
-  record = dict(parent, step=step, tables=records, dense=dense)
-  manifest = {"format": DELTA_FORMAT, "version": DELTA_VERSION, "parent": parent["step"], "kinds": kinds}
+  record = dict(parent, id=uuid.uuid4().hex, step=step, tables=records, dense=dense)
+  manifest = {
+    "format": DELTA_FORMAT,
+    "version": DELTA_VERSION,
+    "parent": {"id": parent["id"], "step": parent["step"]},
+    "kinds": kinds,
+  }
   directory.write_files(path, DELTA_MANIFEST, manifest | {"lineage": record}, arrays)
+  written(record, obj)
 
 
 def read_delta(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
@@ -261,36 +319,43 @@ def applied(state: list, served: dict, path: Path) -> tuple[dict[int, np.ndarray
   the lineage after it; ``state`` and ``served`` (its lineage) are those of the model served now.
 
   Raises:
-    ValueError: naming ``path``: not a delta of this model, not the delta of the step after the
-      one served, damaged, or holding more entries than a served table has room for.
+    ValueError: naming ``path``: not a delta of this model, not the delta that follows the
+      export or delta served, damaged, or holding more entries than a served table has room for.
   """
   manifest, arrays = read_delta(path)
-  after = manifest["lineage"]
-  if after.get("model") != served["model"]:
-    raise ValueError(f"{path}: a delta of another model than the one served.")
-  if after["step"] <= served["step"]:
-    raise ValueError(f"{path}: the delta of step {after['step']}; this model serves step {served['step']}.")
-  if manifest["parent"] != served["step"]:
-    raise ValueError(
-      f"{path}: the delta of step {manifest['parent']} to {after['step']}; this model serves step "
-      f"{served['step']}: apply the deltas in between first."
-    )
-  out: dict[int, np.ndarray] = {}
-  for t, (kind, record) in enumerate(zip(manifest["kinds"], after["tables"], strict=True)):
-    if kind == "same":
-      continue
-    mine = {name[len(f"tables/{t}/") :]: x for name, x in arrays.items() if name.startswith(f"tables/{t}/")}
-    rows = Rows.from_arrays(mine, len(record["values"]), record.get("slots_total"))
-    out |= _table_applied(state, record, rows, path)
-  for place, _, _ in after["dense"]:
-    if f"dense/{place}" in arrays:
-      new, old = arrays[f"dense/{place}"], state[place]
-      if new.shape != old.shape or new.dtype != old.dtype:
-        raise ValueError(
-          f"{path}: array {place} is {new.dtype}{list(new.shape)}, served {old.dtype}{list(old.shape)}."
-        )
-      out[place] = new
+  try:
+    after, parent = manifest["lineage"], manifest["parent"]
+    if after["model"] != served["model"]:
+      raise ValueError(f"{path}: a delta of another model than the one served.")
+    if after["step"] <= served["step"]:
+      raise ValueError(f"{path}: the delta of step {after['step']}; this model serves step {served['step']}.")
+    if parent["id"] != served["id"]:
+      raise ValueError(
+        f"{path}: the delta of step {parent['step']} to {after['step']} does not follow what this model "
+        f"serves (step {served['step']}): apply the deltas in between first, in the order written."
+      )
+    out: dict[int, np.ndarray] = {}
+    for t, (kind, record) in enumerate(zip(manifest["kinds"], after["tables"], strict=True)):
+      if kind == "same":
+        continue
+      prefix = f"tables/{t}/"
+      mine = {name[len(prefix) :]: x for name, x in arrays.items() if name.startswith(prefix)}
+      rows = Rows.from_arrays(mine, len(record["values"]), record.get("slots_total"))
+      out |= _table_applied(state, record, rows, path)
+    for place, _, _ in after["dense"]:
+      if f"dense/{place}" in arrays:
+        out[place] = _alike(arrays[f"dense/{place}"], state[place], f"array {place}", path)
+  except (KeyError, TypeError, IndexError) as err:
+    raise ValueError(f"{path}: corrupted delta ({err!r}).") from None
   return out, after
+
+
+def _alike(new: np.ndarray, old: np.ndarray, what: str, path: Path, rows: bool = False) -> np.ndarray:
+  """``new`` where it has ``old``'s dtype and shape (of a row, with ``rows``)."""
+  shape, expected = (new.shape[1:], old.shape[1:]) if rows else (new.shape, old.shape)
+  if new.dtype != old.dtype or shape != expected:
+    raise ValueError(f"{path}: {what} is {new.dtype}{list(shape)}, served {old.dtype}{list(expected)}.")
+  return new
 
 
 def _table_applied(state: list, record: dict, rows: Rows, path: Path) -> dict[int, np.ndarray]:
@@ -306,7 +371,7 @@ def _table_applied(state: list, record: dict, rows: Rows, path: Path) -> dict[in
     if len(slots) and slots.max() >= len(rows.live):
       raise ValueError(f"{path}: its live slots do not cover the table at {record['path']} (corrupted).")
     keep = live & rows.live[slots] & ~np.isin(slots, rows.slots)
-  words = np.concatenate([keys[keep], rows.words])
+  words = np.concatenate([keys[keep], _alike(rows.words, keys, f"the keys of {record['path']}", path, True)])
   order = np.lexsort(words.T[::-1])
   n = len(order)
   if n > capacity:
@@ -331,5 +396,6 @@ def _table_applied(state: list, record: dict, rows: Rows, path: Path) -> dict[in
     if place is not None:
       if leaf is None:
         raise ValueError(f"{path}: a value of the table at {record['path']} is missing (corrupted).")
-      out[place] = padded(np.asarray(state[place]), leaf)
+      old = np.asarray(state[place])
+      out[place] = padded(old, _alike(leaf, old, f"a value of {record['path']}", path, rows=True))
   return out

@@ -137,7 +137,7 @@ class LookupTable(Resource):
     """A new state holding exactly ``keys -> values`` (the core's encoding); a bounded table evicts."""
     rows = int(np.shape(keys)[0]) if np.ndim(keys) else 1
     self._life().epoch = object()  # rebuilt: the marks of incremental saves before lapse
-    return self._empty(self._room_for(rows)).import_(keys, values)
+    return self._empty(self._room_for(rows)).import_(keys, values).succeeding(self.state)
 
   # -------------------------------------------------------- checkpoints
 
@@ -161,7 +161,8 @@ class LookupTable(Resource):
       for name, array in arrays.items()
     }
     rows = saved_entries.count(arrays)
-    self.state = table_arrays.from_arrays(self._empty(self._room_for(rows)), arrays)
+    restored = table_arrays.from_arrays(self._empty(self._room_for(rows)), arrays)
+    self.state = restored.succeeding(self.state)  # every entry newer than what deltas were taken against
     self._life().epoch = object()
 
   def _current(self):

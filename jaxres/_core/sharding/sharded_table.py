@@ -429,9 +429,7 @@ class ShardedTable(Table):
         block["slots"] = jnp.nonzero(shard._slots()[1], size=width, fill_value=0)[0].astype(jnp.int32)
       return block
 
-    blocks = jax.vmap(one)(self.shards)
-    split = NamedSharding(self.mesh, PartitionSpec(self.axis))
-    return jax.tree.map(lambda x: lax.with_sharding_constraint(x, split), blocks)
+    return self._split_by_shard(jax.vmap(one)(self.shards))
 
   @property
   def version(self) -> jax.Array:
@@ -463,7 +461,12 @@ class ShardedTable(Table):
       live, changed = shard._changed_slots(since)
       return jnp.packbits(live), jnp.sum(changed, dtype=jnp.int32)
 
-    return jax.vmap(one)(self.shards)
+    return self._split_by_shard(jax.vmap(one)(self.shards))
+
+  def _split_by_shard(self, tree):
+    """``tree``'s arrays (``[shards, ...]``) split over the mesh axis, each shard's row on its device."""
+    split = NamedSharding(self.mesh, PartitionSpec(self.axis))
+    return jax.tree.map(lambda x: lax.with_sharding_constraint(x, split), tree)
 
   def _changed_entries(self, since, width: int) -> dict:
     def one(shard):
@@ -473,7 +476,7 @@ class ShardedTable(Table):
         block["scores"] = shard._scores_at(slots)
       return block
 
-    return jax.vmap(one)(self.shards)
+    return self._split_by_shard(jax.vmap(one)(self.shards))
 
   def place_shards(self, words, leaves, scores, slots, valid) -> ShardedTable:
     """An empty table like this one holding, in each shard, its rows of ``[shards, width, ...]`` arrays

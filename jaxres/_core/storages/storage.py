@@ -77,6 +77,13 @@ class Storage(Table):
   def _carry(self, other: Storage) -> Storage:
     return dataclasses.replace(self, clock=other.clock, version=other.version, evictions=other.evictions)
 
+  def succeeding(self, other: Storage) -> Storage:
+    """This table as the one that replaces ``other`` (a stateful table's state rebuilt): its version
+    goes on past ``other``'s and every entry counts as changed since any earlier version, so a
+    delta taken against ``other`` holds every entry. O(capacity), eager."""
+    version = jnp.maximum(self.version, other.version) + jnp.uint32(1)
+    return dataclasses.replace(self, version=version, row_stamps=jnp.full_like(self.row_stamps, version))
+
   def with_counters(self, clock, evictions) -> Storage:
     return dataclasses.replace(
       self, clock=jnp.asarray(clock, jnp.uint32), evictions=jnp.asarray(evictions, jnp.int32)
