@@ -147,6 +147,19 @@ def test_a_variable_holding_no_arrays_is_left_out_and_cannot_take_saved_arrays(t
   assert empty.v.get_value() is None
 
 
+def test_a_variable_holding_a_dict_of_one_array_round_trips(tmp_path):
+  """One array leaf in a pytree that is not itself that array (an empty tuple beside it)."""
+
+  class Model(nnx.Module):
+    def __init__(self, scale):
+      self.v = nnx.Variable({"row": scale * jnp.ones(3), "slots": ()})
+
+  path = _save(tmp_path, model=Model(2.0))
+  fresh = Model(0.0)
+  jr.Checkpoint(model=fresh).restore(path).assert_consumed()
+  assert fresh.v.get_value()["row"].tolist() == [2.0, 2.0, 2.0]
+
+
 @pytest.mark.parametrize(
   ("value", "path"),
   [

@@ -200,6 +200,7 @@ _EMBEDDINGS = {
   "LRU": {"eviction": jr.LRU()},
   "LFU, min_count=2": {"eviction": jr.LFU(), "min_count": 2},
   "min_count=3": {"min_count": 3},
+  "LRU, min_count=2, shared rows": {"eviction": jr.LRU(), "min_count": 2, "oov_buckets": 64},
 }
 
 
@@ -210,6 +211,7 @@ def test_the_training_step_with_the_model_donated(options):
 
 def test_the_sharded_training_step_with_the_model_donated():
   _check_step(_Model(eviction=jr.LRU(), mesh=mesh_of(2), axis="shard"))
+  _check_step(_Model(eviction=jr.LRU(), mesh=mesh_of(2), axis="shard", oov_buckets=64))
 
 
 def _check_step(model):

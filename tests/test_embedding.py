@@ -335,6 +335,8 @@ def test_sharded_with_eviction_stays_within_capacity_and_restores_on_other_meshe
     ({"mesh": None, "axis": "shard"}, ValueError, "mesh"),
     ({"key": jnp.float32}, TypeError, "key"),
     ({"initializer": 0.5}, TypeError, "initializer"),
+    ({"oov_buckets": -1}, ValueError, "oov_buckets"),
+    ({"oov_buckets": 2.0}, TypeError, "oov_buckets"),
   ],
 )
 def test_bad_constructor_arguments_are_named(kwargs, error, name):

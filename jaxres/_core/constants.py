@@ -20,6 +20,7 @@ LANE_SEED = 1  # which of a bucket's free slots a new key tries first (placing.p
 GROUPING_SEED = 0x0C1A  # equal keys of a batch found by a hash map (kernels/claims.owner_per_key)
 ROUTING_SEED = 0x5EED  # which shard owns a key (sharding/sharded_table.py)
 OOV_SEED = 0x5EED  # which OOV bucket an unknown key of a static vocabulary gets (a file format: never change)
+SHARED_ROW_SEED = 0x0B0C  # which shared row an id without its own reads (nn/embedding.py; never change)
 
 # Multipliers that spread small integers over 32 bits (Knuth's golden ratio; murmur's fmix).
 GOLDEN_MIX = 0x9E3779B1

@@ -11,8 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxres._core import constants
+from jaxres._core.encoding.hashing import hash_words
 from jaxres._core.kernels import grouping
 from jaxres._core.policies import check_policy
 from jaxres._core.sharding.sharded_table import ShardedTable
@@ -91,6 +93,14 @@ class DynamicEmbedding(nnx.Module):
   - **Refused ids** (not admitted yet, or a full table without eviction)
     read zeros and get no update; an evicted or refused id that comes back
     starts afresh.
+  - **Shared rows** (``oov_buckets=n``): an id without a row of its own
+    (not admitted yet, refused, evicted; in inference mode too) reads one
+    of ``n`` shared rows, chosen by a hash of the id, instead of zeros, and
+    :meth:`apply_gradients` trains that row with the summed gradients of
+    the ids that read it (each with its own optimizer state, as any row):
+    the tail of the ids gets a trained, hashed embedding while frequent ids
+    get their own. The shared rows are replicated on every device of
+    ``mesh``, checkpointed and exported with the module.
 
   Args:
     capacity: the rows the table holds (live ids at most).
@@ -112,6 +122,8 @@ class DynamicEmbedding(nnx.Module):
     deterministic: inference mode (NNX's convention, as ``nnx.Dropout``:
       ``model.eval()`` sets it, ``model.train()`` clears it): a lookup only
       reads, and :meth:`apply_gradients` raises.
+    oov_buckets: the number of shared rows read by ids without their own
+      (0: none, such ids read zeros).
     restore_rows_only: restore a checkpoint trained with another row
       optimizer (other optimizer state per row, say adam's into sgd's): its
       ids, rows, scores and counters are kept, and every row's optimizer
@@ -149,8 +161,10 @@ class DynamicEmbedding(nnx.Module):
     admission_capacity: int | None = None,
     deterministic: bool = False,
     restore_rows_only: bool = False,
+    oov_buckets: int = 0,
   ):
     capacity = check_capacity(capacity)
+    oov_buckets = check_int(oov_buckets, "oov_buckets", low=0)
     features = check_int(features, "features", low=1)
     min_count = check_int(min_count, "min_count", low=1)
     eviction = check_policy(eviction)
@@ -184,19 +198,27 @@ class DynamicEmbedding(nnx.Module):
     self.counts = EmbeddingState(admission.counter(room, key)) if min_count > 1 else None
     self.seed = EmbeddingState(jax.random.key_data(rngs.params()))
     self.counters = EmbeddingState(jnp.zeros((len(_STATS), 2), jnp.uint32))  # 64-bit: (high, low) words
+    shared = _shared_rows(self._spec, self.seed.get_value(), oov_buckets) if oov_buckets else None
+    if shared is not None and mesh is not None:  # every device reads them: a copy on each
+      shared = jax.device_put(shared, NamedSharding(mesh, PartitionSpec()))
+    self.shared = None if shared is None else EmbeddingState(shared)
     self.recent = RecentRows(None)
     self.deterministic = deterministic
 
   def __call__(self, ids) -> jax.Array:
-    """``float32[*batch, features]``: the rows of ``ids``, new ids given rows (zeros where refused).
+    """``float32[*batch, features]``: the rows of ``ids``, new ids given rows (where refused: zeros,
+    or their shared row with ``oov_buckets``).
 
     In inference mode (:attr:`deterministic`, set by ``model.eval()``) a pure
-    read: ids without a row read zeros and nothing in the module changes.
+    read: ids without a row read zeros (or their shared row) and nothing in
+    the module changes.
     """
     table = self.table.get_value()
     words, batch = table.key_spec.encode(ids, "ids")
+    shared = None if self.shared is None else self.shared.get_value()
     if self.deterministic:
-      return _read(table, words.reshape(-1, table.key_spec.num_words)).reshape(*batch, self.features)
+      flat = words.reshape(-1, table.key_spec.num_words)
+      return _read(table, shared, flat).reshape(*batch, self.features)
     if not words.size:
       return jnp.zeros((*batch, self.features), jnp.float32)
     counts = None if self.counts is None else self.counts.get_value()
@@ -208,6 +230,7 @@ class DynamicEmbedding(nnx.Module):
       self.counters.get_value(),
       self.seed.get_value(),
       flat,
+      shared,
     )
     self.table.set_value(table)
     if counts is not None:
@@ -221,8 +244,9 @@ class DynamicEmbedding(nnx.Module):
 
     Gradients of an id that occurs several times are summed (in a fixed
     order, so results are bitwise reproducible), then each distinct id's row
-    and optimizer state take one update. Ids without a row are skipped;
-    other rows are not touched.
+    and optimizer state take one update. Ids without a row are skipped, or
+    with ``oov_buckets`` their gradients are summed into their shared rows,
+    which take one update each; other rows are not touched.
 
     Called with the ids of the last lookup (``rows = emb(ids)`` then
     ``emb.apply_gradients(ids, ...)``, the training step), it writes to the
@@ -256,7 +280,11 @@ class DynamicEmbedding(nnx.Module):
     if not words.size:
       return
     flat = grads.reshape(-1, self.features).astype(jnp.float32)
-    self.table.set_value(_update(self._spec, table, words.reshape(-1, words.shape[-1]), flat, recent))
+    shared = None if self.shared is None else self.shared.get_value()
+    table, shared = _update(self._spec, table, shared, words.reshape(-1, words.shape[-1]), flat, recent)
+    self.table.set_value(table)
+    if shared is not None:
+      self.shared.set_value(shared)
 
   # ------------------------------------------------------------- reading
 
@@ -287,10 +315,16 @@ class DynamicEmbedding(nnx.Module):
   def min_count(self) -> int:
     return self._spec.min_count
 
+  @property
+  def oov_buckets(self) -> int:
+    """The shared rows read by ids without their own (0: none)."""
+    return 0 if self.shared is None else int(self.shared.get_value()["row"].shape[0])
+
   def __repr__(self) -> str:
+    shared = f", oov_buckets={self.oov_buckets}" if self.shared is not None else ""
     return (
       f"jr.DynamicEmbedding(capacity={self.capacity}, features={self.features}, "
-      f"eviction={self.eviction}, min_count={self.min_count})"
+      f"eviction={self.eviction}, min_count={self.min_count}{shared})"
     )
 
 
@@ -333,9 +367,28 @@ def _initial_values(spec: _Spec, seed: jax.Array, words: jax.Array, new: jax.Arr
   return {"row": rows, "slots": tuple(spec.optimizer.init(rows))}
 
 
+def _shared_rows(spec: _Spec, seed: jax.Array, n: int) -> dict:
+  """``n`` shared rows and their optimizer state, drawn from the seed (apart from any id's row)."""
+  key = jax.random.fold_in(jax.random.wrap_key_data(seed), constants.SHARED_ROW_SEED)
+  rows = spec.initializer(key, (n, spec.features), jnp.float32)
+  return {"row": rows, "slots": tuple(spec.optimizer.init(rows))}
+
+
+def _shared_of(words: jax.Array, shared: dict) -> jax.Array:
+  """``int32[N]``: the shared row each id reads (a hash of its words)."""
+  n = shared["row"].shape[0]
+  return (hash_words(words, seed=constants.SHARED_ROW_SEED) % jnp.uint32(n)).astype(jnp.int32)
+
+
+def _with_shared(rows: jax.Array, present: jax.Array, words: jax.Array, shared: dict | None) -> jax.Array:
+  """``rows`` where ``present``; elsewhere each id's shared row, or zeros without any."""
+  other = 0.0 if shared is None else shared["row"][_shared_of(words, shared)]
+  return jnp.where(present[:, None], rows, other)
+
+
 # The module's arrays are donated: an eager call updates them in place (under jit, the caller donates).
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("table", "counts", "counters"))
-def _embed(spec: _Spec, table: Table, counts, counters, seed, words):
+def _embed(spec: _Spec, table: Table, counts, counters, seed, words, shared):
   """One lookup: ``(table, counts, counters, rows, recent)``, each id located once in ``table``.
 
   ``recent`` is what :class:`RecentRows` keeps: ``(words, index, clock)``.
@@ -360,22 +413,35 @@ def _embed(spec: _Spec, table: Table, counts, counters, seed, words):
   admitted_ids = table.size - before + evictions
   refused = jnp.sum(~present, dtype=jnp.int32)
   counters = _add64(counters, jnp.stack([admitted_ids, refused, evictions]))
-  rows = jnp.where(present[:, None], values["row"], 0.0)
+  rows = _with_shared(values["row"], present, words, shared)
   return table, counts, counters, rows, (words, index, table.clock + jnp.uint32(0))
 
 
 @jax.jit
-def _read(table: Table, words) -> jax.Array:
-  """Inference: the rows of present ids, zeros elsewhere; only the rows are read (not their state)."""
-  return table.read_rows(table.find_rows(table.key_spec.decode(words)))["row"]
+def _read(table: Table, shared, words) -> jax.Array:
+  """Inference: the rows of present ids, zeros (or shared rows) elsewhere; only the rows are read."""
+  index = table.find_rows(table.key_spec.decode(words))
+  return _with_shared(table.read_rows(index)["row"], index >= 0, words, shared)
 
 
-@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("table",))
-def _update(spec: _Spec, table: Table, words, grads, recent):
-  rows, total = grouping.group_sums(_rows_of(table, words, recent), grads)  # each row once, its ids' sum
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("table", "shared"))
+def _update(spec: _Spec, table: Table, shared, words, grads, recent):
+  """``(table, shared)`` after one optimizer step on the rows of ``words``."""
+  index = _rows_of(table, words, recent)
+  rows, total = grouping.group_sums(index, grads)  # each row once, its ids' sum
   values = table.read_rows(rows)
   new_rows, slots = spec.optimizer.update(total, values["row"], values["slots"])
-  return table.write_rows(rows, {"row": new_rows, "slots": tuple(slots)}, valid=rows >= 0)
+  table = table.write_rows(rows, {"row": new_rows, "slots": tuple(slots)}, valid=rows >= 0)
+  if shared is not None:  # the ids without a row of their own train their shared rows alike
+    groups, total = grouping.group_sums(jnp.where(index < 0, _shared_of(words, shared), -1), grads)
+    taken = jnp.maximum(groups, 0)
+    new_rows, slots = spec.optimizer.update(total, shared["row"][taken], [s[taken] for s in shared["slots"]])
+    at = jnp.where(groups >= 0, groups, shared["row"].shape[0])  # distinct groups: no conflicting writes
+    shared = {
+      "row": shared["row"].at[at].set(new_rows, mode="drop"),
+      "slots": tuple(s.at[at].set(new, mode="drop") for s, new in zip(shared["slots"], slots)),
+    }
+  return table, shared
 
 
 def _rows_of(table: Table, words, recent) -> jax.Array:

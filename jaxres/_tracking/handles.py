@@ -295,7 +295,7 @@ def handle_for(obj: Any, *, containers: bool = True, _within: frozenset = frozen
     )
   leaves = jax.tree.leaves(obj)
   arrays = [isinstance(x, ARRAY_TYPES) for x in leaves]
-  if not any(arrays) or leaves == [obj]:
+  if not any(arrays) or (len(leaves) == 1 and leaves[0] is obj):
     return None
   if not all(arrays):
     other = next(x for x, is_array in zip(leaves, arrays) if not is_array)
