@@ -85,6 +85,7 @@ class ClickModel(nnx.Module):
     hidden: width of the hidden layer.
     eviction: the embedding's eviction policy.
     min_count: occurrences an id needs to get a row.
+    oov_buckets: shared rows read and trained by ids without a row of their own (0: zeros).
 
   Examples:
     >>> import optax, jaxres as jr
@@ -107,6 +108,7 @@ class ClickModel(nnx.Module):
     hidden: int = 64,
     eviction=_LRU,
     min_count: int = 2,
+    oov_buckets: int = 0,
   ):
     self.embedding = jr.DynamicEmbedding(
       capacity,
@@ -116,6 +118,7 @@ class ClickModel(nnx.Module):
       min_count=min_count,
       initializer=_INIT,
       rngs=rngs,
+      oov_buckets=oov_buckets,
     )
     self.hidden = nnx.Linear(num_fields * features, hidden, rngs=rngs)
     self.output = nnx.Linear(hidden, 1, rngs=rngs)

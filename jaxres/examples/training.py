@@ -61,6 +61,7 @@ class RunConfig:
   vocab_size: int = 1 << 18  # distinct ids per field in the data
   learning_rate: float = 0.01
   min_count: int = 2  # occurrences an id needs to get a row
+  oov_buckets: int = 0  # shared rows for ids without their own
   seed: int = 0
 
   def stream(self) -> ClickStream:
@@ -76,6 +77,7 @@ class RunConfig:
       features=self.features,
       hidden=self.hidden,
       min_count=self.min_count,
+      oov_buckets=self.oov_buckets,
       rngs=nnx.Rngs(self.seed),
     )
 
