@@ -10,9 +10,9 @@
   collisions). Each peer runs in a process of its own, ``--runs`` times (each
   run starting with another peer); every figure is the median of the runs,
   with their range.
-* **Quality** on the click task of ``jaxres.examples``: the loss after N
-  steps of the same model with a ``jr.DynamicEmbedding`` and with a dense
-  hashed embedding of equal capacity, both trained with Adam.
+* **Quality** on the click and drift tasks of ``jaxres.examples``: the loss
+  after N steps of the same model with a ``jr.DynamicEmbedding`` and with a
+  dense hashed embedding of equal capacity, both trained with Adam.
 
 The peers need their own packages, never jaxres's: PyTorch and TorchRec come
 with the ``bench-torch`` extra (``pip install -e '.[bench,bench-torch]'``);
@@ -27,6 +27,7 @@ sizes above; smaller for a quick run), ``--steps`` (timed steps per run),
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -42,7 +43,7 @@ from flax import nnx
 import jaxres as jr
 from benchmarks import run as tables_run
 from benchmarks.eviction import zipf_stream
-from jaxres.examples import ClickStream, Run, RunConfig
+from jaxres.examples import Run, RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 IDS = 4096
@@ -170,14 +171,14 @@ def report(times: dict, capacities: list[int], steps: int, runs: int, losses: di
   ]
   if errors:
     lines += ["", "Not measured: " + "; ".join(errors) + "."]
-  if losses is not None:
-    config = losses["config"]
+  for task, figures in (losses or {}).items():
+    config = figures["config"]
     lines += [
       "",
-      f"Quality, click task ({losses['steps']} steps of {config.batch_size} examples x {config.num_fields} "
-      f"ids, {config.vocab_size * config.num_fields:,} distinct ids, {config.capacity:,} rows): mean loss "
-      f"of the last {losses['tail']} steps, jr.DynamicEmbedding (LRU, min_count={config.min_count}) "
-      f"{losses['sparse']:.4f}, dense hashed nnx.Embed {losses['dense']:.4f}.",
+      f"Quality, {task} task ({figures['steps']} steps of {config.batch_size} examples x {config.num_fields} "
+      f"ids, {config.capacity:,} rows): mean loss of the last {figures['tail']} steps, jr.DynamicEmbedding "
+      f"(LRU, min_count={config.min_count}) {figures['sparse']:.4f}, dense hashed nnx.Embed "
+      f"{figures['dense']:.4f}.",
     ]
   return "\n".join(lines)
 
@@ -211,12 +212,11 @@ def dense_click_step(model, optimizer, ids, labels):
 
 
 def quality(config: RunConfig, steps: int) -> dict:
-  """Mean loss over the last tenth of ``steps`` for the dynamic and the dense click models."""
+  """Mean loss over the last tenth of ``steps`` for the dynamic and the dense click models, on the
+  task of ``config`` (click or drift)."""
   with tempfile.TemporaryDirectory() as workdir:
     sparse = Run(config, workdir, checkpoint_every=None).train(steps)
-  stream = ClickStream(
-    batch_size=config.batch_size, num_fields=config.num_fields, vocab_size=config.vocab_size
-  )
+  stream = config.stream()
   model = DenseClickModel(config)
   optimizer = nnx.Optimizer(model, optax.adam(config.learning_rate), wrt=nnx.Param)
   dense = []
@@ -256,7 +256,10 @@ def main(argv=None) -> None:
   losses = None
   if not args.no_quality:
     config = RunConfig() if full else RunConfig(capacity=1024, batch_size=64, vocab_size=4000)
-    losses = quality(config, 1500 if full else 30)
+    losses = {
+      task: quality(dataclasses.replace(config, task=task), 1500 if full else 30)
+      for task in ("click", "drift")
+    }
   text = report(times, capacities, args.steps, args.runs, losses)
   print(text)
   if full:

@@ -73,6 +73,7 @@ def test_benchmark_harness_runs_on_tiny_sizes():
         "slowest / fastest capacity <= 1.2",
         "within 2x of the same step in plain XLA",
         "Quality, click task",
+        "Quality, drift task",
       ],
     ),
   ],

@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxres.examples import Run, RunConfig
@@ -61,3 +62,38 @@ def test_models_configured_alike_share_compiled_functions():
   size(a), size(b)
   assert len(traces) == 1
   assert jax.tree.structure(nnx.state(a)) == jax.tree.structure(nnx.state(b))
+
+
+def test_the_drift_stream_brings_ids_that_peak_and_fade():
+  from jaxres.examples import DriftStream
+
+  stream = DriftStream(batch_size=256, num_fields=2, arrivals=8, lifetime=40, seed=3)
+  assert (
+    stream.batch(7).ids.tobytes()
+    == DriftStream(batch_size=256, num_fields=2, arrivals=8, lifetime=40, seed=3).batch(7).ids.tobytes()
+  )
+  assert (
+    stream.batch(7).ids.tobytes()
+    != DriftStream(batch_size=256, num_fields=2, arrivals=8, lifetime=40, seed=4).batch(7).ids.tobytes()
+  )
+  seen = [set(stream.batch(step).ids[:, 0].tolist()) for step in range(200)]
+  assert not seen[0] & seen[150]  # after twice the lifetime, other ids entirely
+  # An id born during the stream: absent, then drawn, then gone, its draws peaking in between.
+  counts = {}
+  for step, ids in enumerate(seen):
+    for key in ids:
+      counts.setdefault(key, []).append(step)
+  born_late = [steps for steps in counts.values() if steps[0] > 100 and len(steps) > 20]
+  assert born_late, "no id of the stream's own became popular"
+  for steps in born_late:
+    assert steps[-1] - steps[0] < 2 * 40 + 1  # drawn for at most twice the lifetime
+  batch = stream.batch(0)
+  assert batch.labels.shape == (256,) and 0 < batch.probabilities.min() <= batch.probabilities.max() < 1
+
+
+def test_a_run_on_the_drift_task_learns(tmp_path):
+  config = RunConfig(capacity=256, num_fields=2, batch_size=64, features=8, hidden=16, task="drift")
+  losses = Run(config, tmp_path, checkpoint_every=None).train(60)
+  assert np.isfinite(losses).all() and losses[-15:].mean() < losses[:15].mean()
+  with pytest.raises(ValueError, match="task"):
+    RunConfig(task="weather").stream()

@@ -73,6 +73,67 @@ class ClickStream:
     return ClickBatch(ids.view(np.int64), labels.astype(np.float32), probabilities.astype(np.float32))
 
 
+class DriftStream:
+  """Click-through data whose ids appear, peak and fade, as new items and users do.
+
+  Each field (think item, user, site) receives ``arrivals`` new ids per step.
+  An id born at step ``b`` is drawn with a popularity ``w * (a / tau) *
+  exp(1 - a / tau)`` at age ``a = step - b``: it rises, peaks after ``tau =
+  lifetime / 4`` steps and fades, and is not drawn after ``lifetime * 2``;
+  ``w``, its base popularity, is heavy-tailed (Pareto, index 1.1), so a few
+  ids of each generation are hits. As in :class:`ClickStream`, every id
+  carries a hidden weight (a fixed hash of the id, uniform in [-2, 2]) and an
+  example is clicked with probability ``sigmoid(sum of its ids' weights -
+  1)``: a model does well by learning the ids of the moment and letting the
+  old ones go. The stream starts in its steady state (ids of every age).
+
+  ``batch(step)`` depends on ``(seed, step)`` alone.
+
+  Examples:
+    >>> from jaxres.examples import DriftStream
+    >>> stream = DriftStream(batch_size=4, num_fields=3, seed=0)
+    >>> early, late = stream.batch(0).ids, stream.batch(5000).ids
+    >>> early.shape, early.dtype, bool(set(early.ravel()) & set(late.ravel()))
+    ((4, 3), dtype('int64'), False)
+  """
+
+  def __init__(
+    self, *, batch_size: int = 512, num_fields: int = 4, arrivals: int = 64, lifetime: int = 400, seed=0
+  ):
+    if arrivals < 1 or lifetime < 4:
+      raise ValueError(f"arrivals, lifetime: expected >= 1 and >= 4, got {arrivals} and {lifetime}.")
+    self.batch_size, self.num_fields, self.seed = batch_size, num_fields, seed
+    self.arrivals, self.lifetime = arrivals, lifetime
+
+  def popularity(self, field: int, born: np.ndarray, step: int) -> np.ndarray:
+    """The (unnormalised) popularity at ``step`` of the ids of ``field`` born at steps ``born``."""
+    tau = self.lifetime / 4
+    age = (step + 2 * self.lifetime) - born  # the stream starts in its steady state
+    k = np.round(born * self.arrivals).astype(np.uint64)
+    salt = _mix64(np.uint64(field) + (np.uint64(self.seed) << np.uint64(16)))
+    u = (_mix64(k ^ salt) >> np.uint64(11)) / 2.0**53
+    base = (1.0 - u) ** (-1 / 1.1)  # Pareto(1.1): a few hits among many
+    return np.where((age >= 0) & (age < 2 * self.lifetime), base * (age / tau) * np.exp(1 - age / tau), 0.0)
+
+  def batch(self, step: int) -> ClickBatch:
+    """The examples of training step ``step``."""
+    rng = np.random.default_rng([self.seed, step, 1])
+    now = step + 2 * self.lifetime
+    first = max(0, (now - 2 * self.lifetime) * self.arrivals)
+    index = np.arange(first, now * self.arrivals + 1)  # every id of every field alive now
+    ids = np.empty((self.batch_size, self.num_fields), np.uint64)
+    for field in range(self.num_fields):
+      weights = self.popularity(field, index / self.arrivals, step)
+      cdf = np.cumsum(weights) / weights.sum()
+      drawn = np.searchsorted(cdf, rng.random(self.batch_size), side="right")
+      chosen = index[np.minimum(drawn, len(index) - 1)]
+      ids[:, field] = _mix64((np.uint64(field + 8) << np.uint64(40)) + chosen.astype(np.uint64))
+    weights = (_mix64(ids ^ _MIX) >> np.uint64(11)).astype(np.float64) / 2.0**53 * 4.0 - 2.0
+    probabilities = 1.0 / (1.0 + np.exp(1.0 - weights.sum(axis=1)))
+    labels = rng.random(self.batch_size) < probabilities
+    return ClickBatch(ids.view(np.int64), labels.astype(np.float32), probabilities.astype(np.float32))
+
+
 class ClickModel(nnx.Module):
   """Click-through model: a :class:`jaxres.DynamicEmbedding` row per id, then a small MLP.
 

@@ -12,7 +12,7 @@ import optax
 from flax import nnx
 
 import jaxres as jr
-from jaxres.examples.clicks import ClickModel, ClickStream
+from jaxres.examples.clicks import ClickModel, ClickStream, DriftStream
 
 
 def loss_fn(model: ClickModel, rows: jax.Array, labels) -> jax.Array:
@@ -63,8 +63,13 @@ class RunConfig:
   min_count: int = 2  # occurrences an id needs to get a row
   oov_buckets: int = 0  # shared rows for ids without their own
   seed: int = 0
+  task: str = "click"  # "click": ClickStream (stationary); "drift": DriftStream (ids come and go)
 
-  def stream(self) -> ClickStream:
+  def stream(self) -> ClickStream | DriftStream:
+    if self.task == "drift":
+      return DriftStream(batch_size=self.batch_size, num_fields=self.num_fields, seed=self.seed)
+    if self.task != "click":
+      raise ValueError(f"task: expected 'click' or 'drift', got {self.task!r}.")
     return ClickStream(
       batch_size=self.batch_size, num_fields=self.num_fields, vocab_size=self.vocab_size, seed=self.seed
     )
