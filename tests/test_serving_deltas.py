@@ -71,6 +71,7 @@ def predict(model, ids):
 
 
 SIGNATURES = {"serving_default": jr.saved_model.Signature(predict, ids=IDS)}
+CPU = ("cpu",)  # lowering for CUDA too is tested in test_saved_model.py
 
 
 def _answers(served, ids=QUERY):
@@ -90,7 +91,7 @@ def _kinds(delta):
 
 
 def _whole_export(obj, path, signatures=SIGNATURES):
-  jr.saved_model.save(obj, path, signatures)
+  jr.saved_model.save(obj, path, signatures, platforms=CPU)
   return jr.saved_model.load(path)
 
 
@@ -99,7 +100,7 @@ def test_a_model_updated_by_deltas_answers_as_one_exported_at_that_step(sharded,
   options = {"mesh": mesh_of(4), "axis": "shard"} if sharded else {}
   trainer = Trainer(Model(capacity=64, **options))
   trainer.train(3)
-  jr.saved_model.save(trainer.model, tmp_path / "export", SIGNATURES, updatable=True, step=3)
+  jr.saved_model.save(trainer.model, tmp_path / "export", SIGNATURES, updatable=True, step=3, platforms=CPU)
   served = jr.saved_model.load(tmp_path / "export")
   assert served.step == 3
   _same_answers(_answers(served), _answers(_whole_export(trainer.model, tmp_path / "whole_3")))
@@ -164,7 +165,7 @@ def test_removals_resizes_and_replaced_tables_reach_the_served_model(tmp_path):
   # Room for the stateful table's growth: it is served at the capacity it has when exported.
   root.stateful.insert(big_ids, np.zeros(150, np.float32))
   root.stateful.remove(big_ids)
-  jr.saved_model.save(root, tmp_path / "export", signatures, updatable=True)
+  jr.saved_model.save(root, tmp_path / "export", signatures, updatable=True, platforms=CPU)
   served = jr.saved_model.load(tmp_path / "export")
   since = tmp_path / "export"
   capacity = root.stateful.capacity
@@ -189,7 +190,7 @@ def test_removals_resizes_and_replaced_tables_reach_the_served_model(tmp_path):
 def test_a_delta_holds_only_what_changed(tmp_path):
   trainer = Trainer(Model(capacity=256), batch=2)
   trainer.train(40)
-  jr.saved_model.save(trainer.model, tmp_path / "export", SIGNATURES, updatable=True)
+  jr.saved_model.save(trainer.model, tmp_path / "export", SIGNATURES, updatable=True, platforms=CPU)
   table = trainer.model.emb.table
   before = int(table.version)
   trainer.train(1)  # 4 ids: at most 4 rows changed, plus the dense head
@@ -209,7 +210,7 @@ def test_a_delta_holds_only_what_changed(tmp_path):
 def test_the_programs_are_not_compiled_again(tmp_path, caplog):
   trainer = Trainer(Model(capacity=64))
   trainer.train(2)
-  jr.saved_model.save(trainer.model, tmp_path / "export", SIGNATURES, updatable=True)
+  jr.saved_model.save(trainer.model, tmp_path / "export", SIGNATURES, updatable=True, platforms=CPU)
   served = jr.saved_model.load(tmp_path / "export")
   before = _answers(served)
   trainer.train(3)
@@ -226,8 +227,8 @@ def test_deltas_of_another_model_or_step_are_refused_and_change_nothing(tmp_path
   a, b = Trainer(Model(), seed=0), Trainer(Model(), seed=1)
   a.train(2)
   b.train(2)
-  jr.saved_model.save(a.model, tmp_path / "a", SIGNATURES, updatable=True, step=2)
-  jr.saved_model.save(b.model, tmp_path / "b", SIGNATURES, updatable=True, step=2)
+  jr.saved_model.save(a.model, tmp_path / "a", SIGNATURES, updatable=True, step=2, platforms=CPU)
+  jr.saved_model.save(b.model, tmp_path / "b", SIGNATURES, updatable=True, step=2, platforms=CPU)
   served = jr.saved_model.load(tmp_path / "a")
   a.train(1)
   b.train(1)
@@ -266,7 +267,7 @@ def test_deltas_of_another_model_or_step_are_refused_and_change_nothing(tmp_path
 def test_bad_exports_and_deltas_are_refused(tmp_path):
   trainer = Trainer(Model())
   trainer.train(1)
-  jr.saved_model.save(trainer.model, tmp_path / "plain", SIGNATURES)
+  jr.saved_model.save(trainer.model, tmp_path / "plain", SIGNATURES, platforms=CPU)
   with pytest.raises(ValueError, match="updatable=True"):
     jr.saved_model.load(tmp_path / "plain").update(tmp_path / "plain")
   with pytest.raises(ValueError, match="updatable=True"):
@@ -276,10 +277,10 @@ def test_bad_exports_and_deltas_are_refused(tmp_path):
   with pytest.raises(TypeError, match="updatable"):
     jr.saved_model.save(trainer.model, tmp_path / "x", SIGNATURES, updatable="yes")
   with pytest.raises(TypeError, match="step"):
-    jr.saved_model.save(trainer.model, tmp_path / "x", SIGNATURES, updatable=True, step=-1)
+    jr.saved_model.save(trainer.model, tmp_path / "x", SIGNATURES, updatable=True, step=-1, platforms=CPU)
   with pytest.raises(ValueError, match="updatable=True"):
-    jr.saved_model.save(trainer.model, tmp_path / "x", SIGNATURES, step=3)
-  jr.saved_model.save(trainer.model, tmp_path / "export", SIGNATURES, updatable=True, step=5)
+    jr.saved_model.save(trainer.model, tmp_path / "x", SIGNATURES, step=3, platforms=CPU)
+  jr.saved_model.save(trainer.model, tmp_path / "export", SIGNATURES, updatable=True, step=5, platforms=CPU)
   with pytest.raises(ValueError, match="step: 5 is not after step 5"):
     jr.saved_model.save_delta(trainer.model, tmp_path / "d", since=tmp_path / "export", step=5)
   with pytest.raises(ValueError, match="another model"):
@@ -304,7 +305,7 @@ def test_a_table_outgrowing_its_room_asks_for_a_new_export(tmp_path):
   table = jr.MutableHashTable(jnp.int32, jnp.float32, default_value=0.0, initial_capacity=8)
   table.insert(np.arange(4, dtype=np.int32), np.ones(4, np.float32))
   find = jr.saved_model.Signature(lambda t, k: t.lookup(k)[0], k=jax.ShapeDtypeStruct(("n",), jnp.int32))
-  jr.saved_model.save(table, tmp_path / "export", {"find": find}, updatable=True)
+  jr.saved_model.save(table, tmp_path / "export", {"find": find}, updatable=True, platforms=CPU)
   table.insert(np.arange(100, dtype=np.int32), np.ones(100, np.float32))  # grows past its capacity
   with pytest.raises(ValueError, match="Export the model again"):
     jr.saved_model.save_delta(table, tmp_path / "d", since=tmp_path / "export", step=1)
@@ -315,7 +316,7 @@ def test_an_updatable_export_stores_only_live_rows(tmp_path):
   table = jr.OpenAddressingTable.create(1 << 12, key=jnp.int32, value=jnp.float32, default=0.0)
   table = table.insert(np.arange(10, dtype=np.int32), np.ones(10, np.float32))
   find = jr.saved_model.Signature(lambda t, k: t.find(k), k=jax.ShapeDtypeStruct(("n",), jnp.int32))
-  jr.saved_model.save(table, tmp_path / "export", {"find": find}, updatable=True)
+  jr.saved_model.save(table, tmp_path / "export", {"find": find}, updatable=True, platforms=CPU)
   stored = [np.load(p) for p in (tmp_path / "export" / "state").iterdir()]
   assert max(len(x) for x in stored if x.ndim) == 10
   served = jr.saved_model.load(tmp_path / "export")
@@ -327,7 +328,7 @@ def test_a_delta_follows_the_very_export_or_delta_it_was_written_against(tmp_pat
   the other, although the steps line up."""
   trainer = Trainer(Model())
   trainer.train(2)
-  jr.saved_model.save(trainer.model, tmp_path / "export", SIGNATURES, updatable=True, step=10)
+  jr.saved_model.save(trainer.model, tmp_path / "export", SIGNATURES, updatable=True, step=10, platforms=CPU)
   served = jr.saved_model.load(tmp_path / "export")
   trainer.train(1)
   jr.saved_model.save_delta(trainer.model, tmp_path / "a", since=tmp_path / "export", step=11)
@@ -350,7 +351,7 @@ def test_rebuilt_and_restarted_tables_reach_the_served_model_whole(tmp_path):
   table = jr.MutableHashTable(jnp.int64, jnp.float32, default_value=-1.0, initial_capacity=64)
   table.insert(np.array([1, 2]), np.array([0.5, 1.5], np.float32))
   find = jr.saved_model.Signature(lambda t, k: t.lookup(k)[0], k=jax.ShapeDtypeStruct(("n",), jnp.int64))
-  jr.saved_model.save(table, tmp_path / "export", {"find": find}, updatable=True)
+  jr.saved_model.save(table, tmp_path / "export", {"find": find}, updatable=True, platforms=CPU)
   served = jr.saved_model.load(tmp_path / "export")
   version = int(table.state.version)
   table.import_(np.array([7]), np.array([9.0], np.float32))
