@@ -165,6 +165,9 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rows", type=int, default=1 << 17, help="live ids (a multiple of 4096)")
   parser.add_argument("--runs", type=int, default=3)
+  parser.add_argument(
+    "--shares", default=",".join(map(str, SHARES)), help="shares of the ids touched (comma-separated)"
+  )
   parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "deltas.md")
   parser.add_argument("--measure", nargs=3, help=argparse.SUPPRESS)  # rows, share, seed
   args = parser.parse_args(argv)
@@ -186,7 +189,7 @@ def main(argv=None) -> None:
     "| ids touched | delta, MB | write s | apply and answer s | export, load and answer s (instead) |",
     "|---|---|---|---|---|",
   ]
-  for share in SHARES:
+  for share in (float(x) for x in args.shares.split(",")):
     runs = [_run(args.rows, share, seed) for seed in range(args.runs)]
     serving.append(
       f"| {share:.0%} | {_median(runs, 'serving delta bytes')[0] / 1e6:,.2f} "

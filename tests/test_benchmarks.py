@@ -55,7 +55,7 @@ def test_benchmark_harness_runs_on_tiny_sizes():
   [
     (
       "deltas",
-      ["--rows", "4096", "--runs", "1"],
+      ["--rows", "4096", "--runs", "1", "--shares", "0.01,0.5"],
       ["| 1% (40) | ", "| 50% (2,048) | ", "/ touched rows' bytes (goal <= 1.5)"],
     ),
     (

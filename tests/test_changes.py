@@ -109,7 +109,7 @@ def machine_for(eviction, capacity, value=jnp.float32):
       self.marks.append((int(self.table.version), now))
 
   ChangesMachine.TestCase.settings = settings(
-    max_examples=12, stateful_step_count=25, deadline=None, suppress_health_check=list(HealthCheck)
+    max_examples=8, stateful_step_count=25, deadline=None, suppress_health_check=list(HealthCheck)
   )
   return ChangesMachine
 

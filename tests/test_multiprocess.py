@@ -55,7 +55,7 @@ print(json.dumps({
 
 SAVE_TOGETHER = """
 from jaxres._tracking import orbax_io
-from multiprocess_table import VALUE, empty_table, table_at
+from multiprocess_table import VALUE, changed, empty_table, table_at
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 by_rows = NamedSharding(mesh, PartitionSpec("shard"))
@@ -103,34 +103,32 @@ copies.table = jr.ShardedTable.create(replicas, "shard", 600, key=jnp.int64, val
 jr.Checkpoint(model=copies).restore(path + "/replicas").assert_consumed()
 jr.Checkpoint(model=copies).save(path + "/replicas_again")
 
+# Incremental steps: each process writes its own shards' changes, and composes its own at restore.
+steady = jr.AutoTrackable()
+steady.table, steady.step = table_at(0, mesh), jnp.array(0)
+chain = jr.CheckpointManager(path + "/incremental", jr.Checkpoint(model=steady), incremental=True)
+chain.save(0)
+for step in (1, 2, 3):
+  steady.table, steady.step = changed(steady.table, step), jnp.array(step)
+  chain.save(step)
+chain.wait_until_finished()
+for step in (1, 2, 3):  # each step composed by both processes, each reading its own shards
+  composed = jr.AutoTrackable()
+  composed.table, composed.step = empty_table(mesh), jnp.array(-1)
+  jr.CheckpointManager(path + "/incremental", jr.Checkpoint(model=composed)).restore(step).assert_consumed()
+  jr.Checkpoint(model=composed).save(path + f"/composed_{step}")
+steps = [json.load(open(f"{path}/incremental/{s}/manifest/metadata")) for s in (0, 1, 2, 3)]
+incremental_formats = [contents["format"] for contents in steps]
 contents = json.load(open(path + "/ckpt/manifest/metadata"))
 key = contents["nodes"]["model/table"]["arrays"]["blocks/keys"]
 blocks = orbax_io.load_arrays(path + "/ckpt", contents["arrays"])[key]
 print(json.dumps({
   "steps": manager.all_steps(), "size": int(fresh.table.size), "step": int(fresh.step),
   "clock": [int(fresh.table.clock), int(root.table.clock)], "rows_read": sorted(blocks.rows),
-  "weights": gathered,
+  "weights": gathered, "formats": incremental_formats, "incremental_size": int(steady.table.size),
 }))
 """
 
-SAVE_INCREMENTAL = """
-from multiprocess_table import changed, empty_table, table_at
-root = jr.AutoTrackable()
-root.table, root.step = table_at(0, mesh), jnp.array(0)
-manager = jr.CheckpointManager(path + "/run", jr.Checkpoint(model=root), incremental=True)
-manager.save(0)
-for step in (1, 2, 3):
-  root.table, root.step = changed(root.table, step), jnp.array(step)
-  manager.save(step)
-manager.wait_until_finished()
-for step in (1, 2, 3):  # each step composed by both processes, each reading its own shards
-  fresh = jr.AutoTrackable()
-  fresh.table, fresh.step = empty_table(mesh), jnp.array(-1)
-  jr.CheckpointManager(path + "/run", jr.Checkpoint(model=fresh)).restore(step).assert_consumed()
-  jr.Checkpoint(model=fresh).save(path + f"/composed_{step}")
-formats = [json.load(open(f"{path}/run/{s}/manifest/metadata"))["format"] for s in (0, 1, 2, 3)]
-print(json.dumps({"formats": formats, "size": int(root.table.size)}))
-"""
 
 SAVE_FOREVER = """
 from multiprocess_table import table_at
@@ -143,6 +141,28 @@ for step in range(1, 1000):
   manager.wait_until_finished()
   print("saved", step, flush=True)
 """
+
+
+def _check_incremental_steps(results, tmp_path):
+  """Each process wrote its own shards' changes; the chain restores on two processes and on one."""
+  expected = [table_at(0, mesh_of(8))]
+  for step in (1, 2, 3):
+    expected.append(changed(expected[-1], step))
+  for result in results:
+    assert result["formats"][0] != result["formats"][1]  # a whole step, then deltas
+    assert len(set(result["formats"][1:])) == 1 and result["incremental_size"] == int(expected[3].size)
+  for step in (1, 2, 3):
+    for source in (f"composed_{step}", None):  # composed by the two processes, or here
+      root = jr.AutoTrackable()
+      root.table, root.step = empty_table(mesh_of(4)), jnp.array(-1)
+      if source is None:
+        jr.CheckpointManager(tmp_path / "incremental", jr.Checkpoint(model=root)).restore(
+          step
+        ).assert_consumed()
+      else:
+        jr.Checkpoint(model=root).restore(tmp_path / source).assert_consumed()
+      assert int(root.step) == step and entries(root.table) == entries(expected[step]), (step, source)
+      np.testing.assert_array_equal(root.table.scores(KEYS), expected[step].scores(KEYS))
 
 
 def _free_port() -> int:
@@ -195,6 +215,7 @@ def test_two_processes_save_together_and_restore_onto_other_meshes(tmp_path):
     assert result["step"] == 3 and result["size"] == 300 and result["clock"] == [clock, clock]
     assert result["rows_read"] == [4 * process + i for i in range(4)]  # each process reads its own shards
     assert result["weights"] == np.arange(16.0).reshape(8, 2).tolist()  # an array split over processes
+  _check_incremental_steps(results, tmp_path)
   for name in ("ocdbt.process_0", "ocdbt.process_1"):  # and each wrote its own
     assert any(f.is_file() and f.stat().st_size for f in (tmp_path / "ckpt" / "arrays" / name).rglob("*"))
 
@@ -246,28 +267,6 @@ def test_two_processes_save_together_and_restore_onto_other_meshes(tmp_path):
   with pytest.raises(ValueError, match=f"{tmp_path / 'ckpt'}: array {key} is corrupted"):
     jr.Checkpoint(model=later).restore(tmp_path / "ckpt")
   assert entries(later.table) == before
-
-
-@pytest.mark.slow
-def test_two_processes_save_incremental_steps(tmp_path):
-  """Each process writes its own shards' changes; the chain restores on two processes and on one."""
-  results = _run_together(SAVE_INCREMENTAL, tmp_path)
-  expected = [table_at(0, mesh_of(8))]
-  for step in (1, 2, 3):
-    expected.append(changed(expected[-1], step))
-  for result in results:
-    assert result["formats"][0] != result["formats"][1]  # a whole step, then deltas
-    assert len(set(result["formats"][1:])) == 1 and result["size"] == int(expected[3].size)
-  for step in (1, 2, 3):
-    for source in (f"composed_{step}", None):  # composed by the two processes, or here
-      root = jr.AutoTrackable()
-      root.table, root.step = empty_table(mesh_of(4)), jnp.array(-1)
-      if source is None:
-        jr.CheckpointManager(tmp_path / "run", jr.Checkpoint(model=root)).restore(step).assert_consumed()
-      else:
-        jr.Checkpoint(model=root).restore(tmp_path / source).assert_consumed()
-      assert int(root.step) == step and entries(root.table) == entries(expected[step]), (step, source)
-      np.testing.assert_array_equal(root.table.scores(KEYS), expected[step].scores(KEYS))
 
 
 @pytest.mark.slow

@@ -105,7 +105,7 @@ def test_a_model_updated_by_deltas_answers_as_one_exported_at_that_step(sharded,
   assert served.step == 3
   _same_answers(_answers(served), _answers(_whole_export(trainer.model, tmp_path / "whole_3")))
   since = tmp_path / "export"
-  for step in (4, 6, 9, 10):  # one step (a few rows), then more: evictions of a full table
+  for step in (4, 9, 10):  # one step (a few rows), then more: evictions of a full table
     if step == 10 and sharded:  # re-sharded: restored onto a mesh of 2 (the table comes whole)
       jr.Checkpoint(model=trainer.model).save(tmp_path / "ckpt")
       model = Model(capacity=64, mesh=mesh_of(2), axis="shard")
@@ -169,7 +169,7 @@ def test_removals_resizes_and_replaced_tables_reach_the_served_model(tmp_path):
   served = jr.saved_model.load(tmp_path / "export")
   since = tmp_path / "export"
   capacity = root.stateful.capacity
-  for step in range(1, 6):
+  for step in range(1, 5):
     mutate(step)
     if step == 3:
       root.scale = jnp.float32(3.0)  # an array that is not a table: sent whole
