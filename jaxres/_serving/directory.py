@@ -117,8 +117,9 @@ def _manifest(path: Path, name: str, format: str, what: str) -> dict:
   return manifest
 
 
-def check_target(path) -> Path:
-  """``path`` as a ``Path`` a saved model may be written to: new, empty, or an earlier saved model.
+def check_target(path, what: str = "saved model", holds=None) -> Path:
+  """``path`` as a ``Path`` a saved model (or a ``what`` that ``holds(path)`` recognises) may be
+  written to: new, empty, or an earlier one, to be replaced.
 
   Raises:
     TypeError: ``path`` is not a string or path.
@@ -128,11 +129,9 @@ def check_target(path) -> Path:
     raise TypeError(f"path: expected a directory path, got {type(path).__name__}.")
   path = Path(path)
   if path.exists() and not path.is_dir():
-    raise ValueError(f"path: {path} is a file; expected a directory to write the saved model to.")
-  if path.is_dir() and any(path.iterdir()) and not _is_saved_model(path):
-    raise ValueError(
-      f"path: {path} holds files that are not a saved model; choose an empty or new directory."
-    )
+    raise ValueError(f"path: {path} is a file; expected a directory to write the {what} to.")
+  if path.is_dir() and any(path.iterdir()) and not (holds or _is_saved_model)(path):
+    raise ValueError(f"path: {path} holds files that are not a {what}; choose an empty or new directory.")
   return path
 
 

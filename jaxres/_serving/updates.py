@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import uuid
 import weakref
 from pathlib import Path
@@ -221,20 +220,9 @@ def read_lineage(path: Path) -> dict:
 
 
 def check_target(path) -> Path:
-  """``path`` as a ``Path`` a delta may be written to: new, empty, or an earlier delta.
-
-  Raises:
-    TypeError: ``path`` is not a string or path.
-    ValueError: it names a file, or a directory holding something else.
-  """
-  if not isinstance(path, (str, os.PathLike)):
-    raise TypeError(f"path: expected a directory path, got {type(path).__name__}.")
-  path = Path(path)
-  if path.exists() and not path.is_dir():
-    raise ValueError(f"path: {path} is a file; expected a directory to write the delta to.")
-  if path.is_dir() and any(path.iterdir()) and not (path / DELTA_MANIFEST).is_file():
-    raise ValueError(f"path: {path} holds files that are not a delta; choose an empty or new directory.")
-  return path
+  """``path`` as a ``Path`` a delta may be written to: new, empty, or an earlier delta (see
+  :func:`directory.check_target`)."""
+  return directory.check_target(path, "delta", lambda p: (p / DELTA_MANIFEST).is_file())
 
 
 def write_delta(obj, path: Path, since: Path, step: int) -> None:
