@@ -5,7 +5,6 @@ Each served program runs in a child process that cannot import this module
 the original function on the original object in inference mode.
 """
 
-import functools
 import json
 import os
 import subprocess
@@ -14,16 +13,13 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 from oracle import mesh_of
+from tower import ADAM, FEATURES, IDS, Model, predict, train_step
 
 import jaxres as jr
 
-FEATURES = 4
-ADAM = optax.adam(0.05)
-IDS = jax.ShapeDtypeStruct(("batch", 2), jnp.int64)
 BLOCKER = """
 import importlib.abc, sys
 class _Refuse(importlib.abc.MetaPathFinder):
@@ -57,31 +53,6 @@ np.savez(sys.argv[4], **{k: v.numpy() for k, v in out.items()})
 )
 
 
-class Model(nnx.Module):
-  def __init__(self, capacity=256, **options):
-    self.emb = jr.DynamicEmbedding(
-      capacity, FEATURES, optimizer=ADAM, eviction=jr.LRU(), rngs=nnx.Rngs(0), **options
-    )
-    self.head = nnx.Linear(2 * FEATURES, 1, rngs=nnx.Rngs(1))
-
-  def __call__(self, ids):
-    rows = self.emb(ids)
-    return self.head(rows.reshape(*rows.shape[:-2], -1))[..., 0]
-
-
-@functools.partial(nnx.jit, donate_argnums=(0, 1))
-def _train_step(model, optimizer, ids, labels):
-  rows = model.emb(ids)
-
-  def loss_fn(model, rows):
-    return jnp.mean((model.head(rows.reshape(rows.shape[0], -1))[:, 0] - labels) ** 2)
-
-  loss, (grads, row_grads) = nnx.value_and_grad(loss_fn, argnums=(0, 1))(model, rows)
-  optimizer.update(model, grads)
-  model.emb.apply_gradients(ids, row_grads)
-  return loss
-
-
 def _pool(n=300):
   return (np.arange(n, dtype=np.int64) * 7919 + 2**40) * np.where(np.arange(n) % 2, 1, -1)
 
@@ -92,15 +63,11 @@ def _trained(model=None, steps=6, seed=0):
   rng = np.random.default_rng(seed)
   for _ in range(steps):
     ids = rng.choice(_pool(), (32, 2))
-    _train_step(model, optimizer, jr.keys.split64(ids), jnp.asarray(rng.normal(size=32), jnp.float32))
+    train_step(model, optimizer, jr.keys.split64(ids), jnp.asarray(rng.normal(size=32), jnp.float32))
   return model
 
 
-def predict(model, ids):
-  return {"score": nnx.sigmoid(model(ids)), "rows": model.emb(ids)}
-
-
-def _serve(path, name, inputs, tmp_path, script=SERVE_JAXRES, block=(__name__, "oracle")):
+def _serve(path, name, inputs, tmp_path, script=SERVE_JAXRES, block=(__name__, "oracle", "tower")):
   """Runs signature ``name`` of the saved model at ``path`` in a fresh process; its outputs."""
   data, out = tmp_path / "inputs.npz", tmp_path / "outputs.npz"
   np.savez(data, **inputs)

@@ -11,42 +11,15 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 from oracle import mesh_of
+from tower import ADAM, FEATURES, IDS, Model, predict, train_step
 
 import jaxres as jr
 
-FEATURES = 4
-ADAM = optax.adam(0.05)
-IDS = jax.ShapeDtypeStruct(("batch", 2), jnp.int64)
 POOL = (np.arange(300, dtype=np.int64) * 7919 + 2**40) * np.where(np.arange(300) % 2, 1, -1)
 QUERY = np.concatenate([POOL, [3, -5, 2**62, 0]]).reshape(-1, 2)  # every id seen, and some never
-
-
-class Model(nnx.Module):
-  def __init__(self, capacity=64, **options):
-    self.emb = jr.DynamicEmbedding(
-      capacity, FEATURES, optimizer=ADAM, eviction=jr.LRU(), rngs=nnx.Rngs(0), **options
-    )
-    self.head = nnx.Linear(2 * FEATURES, 1, rngs=nnx.Rngs(1))
-
-  def __call__(self, ids):
-    rows = self.emb(ids)
-    return self.head(rows.reshape(*rows.shape[:-2], -1))[..., 0]
-
-
-@nnx.jit
-def _train_step(model, optimizer, ids, labels):
-  rows = model.emb(ids)
-
-  def loss_fn(model, rows):
-    return jnp.mean((model.head(rows.reshape(rows.shape[0], -1))[:, 0] - labels) ** 2)
-
-  _, (grads, row_grads) = nnx.value_and_grad(loss_fn, argnums=(0, 1))(model, rows)
-  optimizer.update(model, grads)
-  model.emb.apply_gradients(ids, row_grads)
 
 
 class Trainer:
@@ -63,11 +36,7 @@ class Trainer:
     for _ in range(steps):
       ids = self.rng.choice(POOL, (self.batch, 2))
       labels = jnp.asarray(self.rng.normal(size=self.batch), jnp.float32)
-      _train_step(self.model, self.optimizer, jr.keys.split64(ids), labels)
-
-
-def predict(model, ids):
-  return {"score": nnx.sigmoid(model(ids)), "rows": model.emb(ids)}
+      train_step(self.model, self.optimizer, jr.keys.split64(ids), labels)
 
 
 SIGNATURES = {"serving_default": jr.saved_model.Signature(predict, ids=IDS)}
@@ -224,7 +193,7 @@ def test_the_programs_are_not_compiled_again(tmp_path, caplog):
 
 
 def test_deltas_of_another_model_or_step_are_refused_and_change_nothing(tmp_path):
-  a, b = Trainer(Model(), seed=0), Trainer(Model(), seed=1)
+  a, b = Trainer(Model(64), seed=0), Trainer(Model(64), seed=1)
   a.train(2)
   b.train(2)
   jr.saved_model.save(a.model, tmp_path / "a", SIGNATURES, updatable=True, step=2, platforms=CPU)
@@ -265,7 +234,7 @@ def test_deltas_of_another_model_or_step_are_refused_and_change_nothing(tmp_path
 
 
 def test_bad_exports_and_deltas_are_refused(tmp_path):
-  trainer = Trainer(Model())
+  trainer = Trainer(Model(64))
   trainer.train(1)
   jr.saved_model.save(trainer.model, tmp_path / "plain", SIGNATURES, platforms=CPU)
   with pytest.raises(ValueError, match="updatable=True"):
@@ -326,7 +295,7 @@ def test_an_updatable_export_stores_only_live_rows(tmp_path):
 def test_a_delta_follows_the_very_export_or_delta_it_was_written_against(tmp_path):
   """Two deltas written against the same export (a branch): a model serving one refuses what follows
   the other, although the steps line up."""
-  trainer = Trainer(Model())
+  trainer = Trainer(Model(64))
   trainer.train(2)
   jr.saved_model.save(trainer.model, tmp_path / "export", SIGNATURES, updatable=True, step=10, platforms=CPU)
   served = jr.saved_model.load(tmp_path / "export")
