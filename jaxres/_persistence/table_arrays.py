@@ -42,10 +42,7 @@ KIND = "table"  # the kind saved with a table: stateful and functional tables' c
 @functools.singledispatch
 def to_arrays(table: Table) -> dict[str, np.ndarray]:
   """The live entries of ``table`` as named host arrays (:mod:`saved_entries`), keys in their exact dtype."""
-  counters = None if table.eviction is None else {"clock": table.clock, "evictions": table.evictions}
-  return saved_entries.to_arrays(
-    table.live_entries(), table.value_spec, jax.device_get(counters), table.slot_layout
-  )
+  return saved_entries.to_arrays(table.live_entries(), table.value_spec, _counters(table), table.slot_layout)
 
 
 @to_arrays.register
@@ -53,13 +50,26 @@ def _(table: ShardedTable) -> dict:
   """Each shard's live entries as blocks; on several processes global arrays, each process its own shards'."""
   counts = processes.replicated(table.shards.size)
   blocks = table.shard_entries(max(1, int(counts.max())))
-  counters = None
-  if table.eviction is not None:
-    clock, evictions = (processes.replicated(x) for x in (table.shards.clock, table.shards.evictions))
-    counters = {"clock": clock[0], "evictions": np.int32(evictions.sum())}
   return saved_entries.to_blocks(
-    blocks, counts, table.key_spec, table.value_spec, counters=counters, layout=table.slot_layout
+    blocks, counts, table.key_spec, table.value_spec, counters=_counters(table), layout=table.slot_layout
   )
+
+
+@functools.singledispatch
+def _counters(table: Table) -> dict | None:
+  """The ``clock`` and ``evictions`` of a table with an eviction policy, on the host (else ``None``)."""
+  if table.eviction is None:
+    return None
+  return jax.device_get({"clock": table.clock, "evictions": table.evictions})
+
+
+@_counters.register
+def _(table: ShardedTable) -> dict | None:
+  """The shards' clock (the same in each) and their evictions summed."""
+  if table.eviction is None:
+    return None
+  clock, evictions = (processes.replicated(x) for x in (table.shards.clock, table.shards.evictions))
+  return {"clock": clock[0], "evictions": np.int32(evictions.sum())}
 
 
 class Mark(NamedTuple):
@@ -69,49 +79,46 @@ class Mark(NamedTuple):
   layout: tuple[int, ...]
 
 
-@functools.singledispatch
 def changes(table: Table, since: Mark | None) -> tuple[Mark | None, dict[str, np.ndarray] | None]:
   """``(mark, delta)``: the table's mark now (``None`` when it cannot give deltas), and the arrays
-  of what changed since ``since`` (:func:`saved_entries.delta_to_arrays`), or ``None`` when the
-  table must be saved whole: no ``since``, another slot layout (the table grew), a version below
-  the mark's (another table), or a storage that gives no changes (sorted)."""
+  of what changed since ``since`` (:func:`_delta`), or ``None`` when the table must be saved
+  whole: no ``since``, another slot layout (the table grew), a version below the mark's (another
+  table), or a storage that gives no changes (sorted)."""
   if table.slot_layout is None:
     return None, None
   mark, follows = _marked(table, since)
   if not follows:
     return mark, None
-  delta = table.changes(since.version)
+  delta = _delta(table, since.version)
+  return (mark, delta) if delta is not None else (None, None)
+
+
+@functools.singledispatch
+def _delta(table: Table, version: int) -> dict[str, np.ndarray] | None:
+  """What changed since ``version`` (:func:`saved_entries.delta_to_arrays`); ``None`` for a storage
+  that gives no changes."""
+  delta = table.changes(version)
   if delta is None:
-    return None, None
-  counters = None if table.eviction is None else {"clock": table.clock, "evictions": table.evictions}
-  counters = jax.device_get(counters)
-  return mark, saved_entries.delta_to_arrays(
-    delta.entries, delta.live, table.value_spec, counters, table.slot_layout
+    return None
+  return saved_entries.delta_to_arrays(
+    delta.entries, delta.live, table.value_spec, _counters(table), table.slot_layout
   )
 
 
-@changes.register
-def _(table: ShardedTable, since: Mark | None) -> tuple[Mark | None, dict | None]:
+@_delta.register
+def _(table: ShardedTable, version: int) -> dict | None:
   """Each shard's changes as blocks (:func:`saved_entries.delta_to_blocks`); on several processes
   global arrays, each process its own shards'."""
-  if table.slot_layout is None:
-    return None, None
-  mark, follows = _marked(table, since)
-  if not follows:
-    return mark, None
-  changed = table.shard_changes(since.version)
+  changed = table.shard_changes(version)
   if changed is None:
-    return None, None
+    return None
   live, counts = changed
   counts = processes.replicated(counts)
   width = max(1, 1 << max(0, int(counts.max()) - 1).bit_length())
-  blocks = table.changed_entries(since.version, width)
-  counters = None
-  if table.eviction is not None:
-    clock, evictions = (processes.replicated(x) for x in (table.shards.clock, table.shards.evictions))
-    counters = {"clock": clock[0], "evictions": np.int32(evictions.sum())}
-  return mark, saved_entries.delta_to_blocks(
-    blocks, counts, live, table.key_spec, table.value_spec, counters=counters, layout=table.slot_layout
+  blocks = table.changed_entries(version, width)
+  counters, layout = _counters(table), table.slot_layout
+  return saved_entries.delta_to_blocks(
+    blocks, counts, live, table.key_spec, table.value_spec, counters=counters, layout=layout
   )
 
 
