@@ -21,6 +21,7 @@ from jaxres._core.table import Table as Table
 from jaxres._errors import KeysLostError as KeysLostError
 from jaxres._integrations import nnx as _nnx  # noqa: F401  (registers the NNX checkpoint adapters)
 from jaxres._nn import optimizer_change as _optimizer_change  # noqa: F401  (registers the rows' adapter)
+from jaxres._nn.catch_up import CatchUpAdam as CatchUpAdam
 from jaxres._nn.embedding import DynamicEmbedding as DynamicEmbedding
 from jaxres._shell.initializers import KeyValueInitializer as KeyValueInitializer
 from jaxres._shell.initializers import TextFileIndex as TextFileIndex
@@ -42,6 +43,7 @@ __all__ = [
   "LFU",
   "LRU",
   "AutoTrackable",
+  "CatchUpAdam",
   "Checkpoint",
   "CheckpointManager",
   "CustomScore",

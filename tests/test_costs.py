@@ -178,7 +178,8 @@ def test_sorted_table_reads_and_updates_of_present_keys():
 
 class _Model(nnx.Module):
   def __init__(self, **options):
-    self.emb = jr.DynamicEmbedding(CAPACITY, 8, optimizer=optax.adam(0.01), rngs=nnx.Rngs(0), **options)
+    options = {"optimizer": optax.adam(0.01), **options}
+    self.emb = jr.DynamicEmbedding(CAPACITY, 8, rngs=nnx.Rngs(0), **options)
     self.head = nnx.Linear(8, 1, rngs=nnx.Rngs(1))
 
 
@@ -201,6 +202,11 @@ _EMBEDDINGS = {
   "LFU, min_count=2": {"eviction": jr.LFU(), "min_count": 2},
   "min_count=3": {"min_count": 3},
   "LRU, min_count=2, shared rows": {"eviction": jr.LRU(), "min_count": 2, "oov_buckets": 64},
+  "LRU, shared rows, CatchUpAdam": {
+    "eviction": jr.LRU(),
+    "oov_buckets": 64,
+    "optimizer": jr.CatchUpAdam(0.01),
+  },
 }
 
 
@@ -211,7 +217,8 @@ def test_the_training_step_with_the_model_donated(options):
 
 def test_the_sharded_training_step_with_the_model_donated():
   _check_step(_Model(eviction=jr.LRU(), mesh=mesh_of(2), axis="shard"))
-  _check_step(_Model(eviction=jr.LRU(), mesh=mesh_of(2), axis="shard", oov_buckets=64))
+  catching_up = jr.CatchUpAdam(0.01)
+  _check_step(_Model(eviction=jr.LRU(), mesh=mesh_of(2), axis="shard", oov_buckets=64, optimizer=catching_up))
 
 
 def _check_step(model):

@@ -21,8 +21,8 @@ from jaxres._core.sharding.sharded_table import ShardedTable
 from jaxres._core.storages.open_addressing import OpenAddressingTable
 from jaxres._core.table import Table, check_capacity
 from jaxres._errors import check_int
-from jaxres._nn import admission
-from jaxres._nn.rowwise import RowOptimizer
+from jaxres._nn import admission, rowwise
+from jaxres._nn.catch_up import RowAdam
 
 _INITIALIZER = nnx.initializers.normal(0.01)
 _STATS = ("admitted", "refused", "evictions")
@@ -38,6 +38,16 @@ class EmbeddingRows(EmbeddingState):
   Its metadata ``row_optimizer`` and ``restore_rows_only`` let a checkpoint
   trained with another row optimizer be restored: the rows and scores kept,
   the optimizer state started afresh (see :func:`rows_only`).
+  """
+
+
+class EmbeddingStep(EmbeddingState):
+  """The steps (``apply_gradients`` calls) of an embedding whose row optimizer needs them
+  (:class:`jaxres.CatchUpAdam`): part of the optimizer state.
+
+  Its metadata ``restore_rows_only`` lets a checkpoint without it (trained
+  with another row optimizer) be restored: the count then starts afresh with
+  every row's optimizer state.
   """
 
 
@@ -57,7 +67,7 @@ class RecentRows(nnx.Variable):
 class _Spec:
   """What the jitted steps need to know, static."""
 
-  optimizer: RowOptimizer
+  optimizer: rowwise.RowOptimizer | RowAdam
   initializer: Callable
   min_count: int
 
@@ -180,7 +190,7 @@ class DynamicEmbedding(nnx.Module):
       raise TypeError(f"deterministic: expected a bool, got {deterministic!r}.")
     if not isinstance(restore_rows_only, bool):
       raise TypeError(f"restore_rows_only: expected a bool, got {restore_rows_only!r}.")
-    optimizer = RowOptimizer.wrap(optimizer, features)
+    optimizer = rowwise.for_rows(optimizer, features)
     value = {"row": jax.ShapeDtypeStruct((features,), jnp.float32), "slots": optimizer.slots}
     default = jax.tree.map(lambda _: 0, value)
     if mesh is None:
@@ -199,9 +209,11 @@ class DynamicEmbedding(nnx.Module):
     self.seed = EmbeddingState(jax.random.key_data(rngs.params()))
     self.counters = EmbeddingState(jnp.zeros((len(_STATS), 2), jnp.uint32))  # 64-bit: (high, low) words
     shared = _shared_rows(self._spec, self.seed.get_value(), oov_buckets) if oov_buckets else None
-    if shared is not None and mesh is not None:  # every device reads them: a copy on each
-      shared = jax.device_put(shared, NamedSharding(mesh, PartitionSpec()))
+    mesh = None if mesh is None else table.mesh  # the table's: its axes in Auto mode, as jit returns
+    shared = _replicated(shared, mesh)  # every device reads them: a copy on each
     self.shared = None if shared is None else EmbeddingState(shared)
+    step = _replicated(jnp.zeros((), jnp.int32), mesh) if optimizer.needs_step else None
+    self.step = None if step is None else EmbeddingStep(step, restore_rows_only=restore_rows_only)
     self.recent = RecentRows(None)
     self.deterministic = deterministic
 
@@ -281,10 +293,15 @@ class DynamicEmbedding(nnx.Module):
       return
     flat = grads.reshape(-1, self.features).astype(jnp.float32)
     shared = None if self.shared is None else self.shared.get_value()
-    table, shared = _update(self._spec, table, shared, words.reshape(-1, words.shape[-1]), flat, recent)
+    step = None if self.step is None else self.step.get_value()
+    table, shared, step = _update(
+      self._spec, table, shared, step, words.reshape(-1, words.shape[-1]), flat, recent
+    )
     self.table.set_value(table)
     if shared is not None:
       self.shared.set_value(shared)
+    if step is not None:
+      self.step.set_value(step)
 
   # ------------------------------------------------------------- reading
 
@@ -425,23 +442,32 @@ def _read(table: Table, shared, words) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("table", "shared"))
-def _update(spec: _Spec, table: Table, shared, words, grads, recent):
-  """``(table, shared)`` after one optimizer step on the rows of ``words``."""
+def _update(spec: _Spec, table: Table, shared, step, words, grads, recent):
+  """``(table, shared, step)`` after one optimizer step on the rows of ``words``."""
+  step = None if step is None else step + 1
   index = _rows_of(table, words, recent)
   rows, total = grouping.group_sums(index, grads)  # each row once, its ids' sum
   values = table.read_rows(rows)
-  new_rows, slots = spec.optimizer.update(total, values["row"], values["slots"])
+  new_rows, slots = spec.optimizer.update(total, values["row"], values["slots"], step)
   table = table.write_rows(rows, {"row": new_rows, "slots": tuple(slots)}, valid=rows >= 0)
   if shared is not None:  # the ids without a row of their own train their shared rows alike
     groups, total = grouping.group_sums(jnp.where(index < 0, _shared_of(words, shared), -1), grads)
     taken = jnp.maximum(groups, 0)
-    new_rows, slots = spec.optimizer.update(total, shared["row"][taken], [s[taken] for s in shared["slots"]])
+    taken_slots = [s[taken] for s in shared["slots"]]
+    new_rows, slots = spec.optimizer.update(total, shared["row"][taken], taken_slots, step)
     at = jnp.where(groups >= 0, groups, shared["row"].shape[0])  # distinct groups: no conflicting writes
     shared = {
       "row": shared["row"].at[at].set(new_rows, mode="drop"),
       "slots": tuple(s.at[at].set(new, mode="drop") for s, new in zip(shared["slots"], slots)),
     }
-  return table, shared
+  return table, shared, step
+
+
+def _replicated(tree, mesh: Mesh | None):
+  """``tree`` with a copy on every device of ``mesh`` (as it is without one)."""
+  if tree is None or mesh is None:
+    return tree
+  return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
 
 
 def _rows_of(table: Table, words, recent) -> jax.Array:

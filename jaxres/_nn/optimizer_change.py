@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxres._integrations.nnx import VariableHandle
-from jaxres._nn.embedding import EmbeddingRows
+from jaxres._nn.embedding import EmbeddingRows, EmbeddingStep
 from jaxres._nn.rowwise import RowOptimizer
 from jaxres._persistence.processes import Blocks
 from jaxres._tracking import handles
@@ -95,4 +95,13 @@ class EmbeddingRowsHandle(VariableHandle):
     return super().restore(arrays)
 
 
+class EmbeddingStepHandle(VariableHandle):
+  """The step count of a row optimizer: with ``restore_rows_only``, a checkpoint may lack it
+  (trained with an optimizer that counts no steps), and the count then starts afresh."""
+
+  def holds_values(self) -> bool:
+    return not self.obj.get_metadata()["restore_rows_only"]
+
+
 handles.register(EmbeddingRows, EmbeddingRowsHandle.of)
+handles.register(EmbeddingStep, EmbeddingStepHandle.of)

@@ -41,6 +41,7 @@ class RowOptimizer:
   features: int
   treedef: jax.tree_util.PyTreeDef  # of one row's optimizer state
   slots: tuple[jax.ShapeDtypeStruct, ...]  # one row's state leaves
+  needs_step = False  # rows are updated alike whatever the step (see for_rows)
 
   @classmethod
   def wrap(cls, optimizer, features: int) -> RowOptimizer:
@@ -55,7 +56,8 @@ class RowOptimizer:
     """
     if not isinstance(optimizer, optax.GradientTransformation):
       raise TypeError(
-        f"optimizer: expected an optax.GradientTransformation such as optax.adam(1e-3), got {optimizer!r}."
+        f"optimizer: expected an optax.GradientTransformation such as optax.adam(1e-3), or "
+        f"jr.CatchUpAdam(1e-3), got {optimizer!r}."
       )
     row = jax.ShapeDtypeStruct((features,), jnp.float32)
     try:
@@ -106,14 +108,31 @@ class RowOptimizer:
     """The initial state leaves of ``rows`` (``[n, features]``): leaves ``[n, *slot_shape]``."""
     return jax.tree.leaves(jax.vmap(self.transformation.init)(rows))
 
-  def update(self, grads: jax.Array, rows: jax.Array, slots) -> tuple[jax.Array, list[jax.Array]]:
-    """One step for each row: ``(rows, slots)`` after the gradients ``grads`` (``[n, features]``)."""
+  def update(self, grads: jax.Array, rows: jax.Array, slots, step=None) -> tuple[jax.Array, list[jax.Array]]:
+    """One step for each row: ``(rows, slots)`` after the gradients ``grads`` (``[n, features]``).
+
+    ``step`` (the embedding's step count) is not used: each row's state counts its own updates.
+    """
 
     def one(grad, row, leaves):
       updates, state = self.transformation.update(grad, jax.tree.unflatten(self.treedef, leaves), row)
       return optax.apply_updates(row, updates), jax.tree.leaves(state)
 
     return jax.vmap(one)(grads, rows, list(slots))
+
+
+def for_rows(optimizer, features: int):
+  """The row optimizer of ``optimizer`` for rows of ``features`` values.
+
+  An object with a ``for_rows(features)`` method (:class:`jaxres.CatchUpAdam`)
+  builds its own; an optax transformation is wrapped by :meth:`RowOptimizer.wrap`.
+  Either has ``features``, ``slots`` (one row's state leaves), ``init(rows)``,
+  ``update(grads, rows, slots, step)`` and ``needs_step``: whether the
+  embedding must count its steps and pass the current one.
+  """
+  if hasattr(optimizer, "for_rows"):
+    return optimizer.for_rows(features)
+  return RowOptimizer.wrap(optimizer, features)
 
 
 def structure_key(x, _seen: frozenset = frozenset()):

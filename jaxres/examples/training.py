@@ -62,6 +62,7 @@ class RunConfig:
   learning_rate: float = 0.01
   min_count: int = 2  # occurrences an id needs to get a row
   oov_buckets: int = 0  # shared rows for ids without their own
+  row_optimizer: str = "catch_up"  # "catch_up": jr.CatchUpAdam; "lazy": optax.adam row by row
   seed: int = 0
   task: str = "click"  # "click": ClickStream (stationary); "drift": DriftStream (ids come and go)
 
@@ -74,11 +75,19 @@ class RunConfig:
       batch_size=self.batch_size, num_fields=self.num_fields, vocab_size=self.vocab_size, seed=self.seed
     )
 
+  def row_adam(self):
+    """The embedding rows' Adam: catching up idle steps (``jr.CatchUpAdam``) or lazy (``optax.adam``)."""
+    if self.row_optimizer == "catch_up":
+      return jr.CatchUpAdam(self.learning_rate)
+    if self.row_optimizer != "lazy":
+      raise ValueError(f"row_optimizer: expected 'catch_up' or 'lazy', got {self.row_optimizer!r}.")
+    return adam(self.learning_rate)
+
   def model(self) -> ClickModel:
     return ClickModel(
       self.capacity,
       num_fields=self.num_fields,
-      optimizer=adam(self.learning_rate),
+      optimizer=self.row_adam(),
       features=self.features,
       hidden=self.hidden,
       min_count=self.min_count,
