@@ -147,6 +147,7 @@ class ClickModel(nnx.Module):
     eviction: the embedding's eviction policy.
     min_count: occurrences an id needs to get a row.
     oov_buckets: shared rows read and trained by ids without a row of their own (0: zeros).
+    admission_capacity: ids the admission counts hold (default ``capacity``).
 
   Examples:
     >>> import optax, jaxres as jr
@@ -170,6 +171,7 @@ class ClickModel(nnx.Module):
     eviction=_LRU,
     min_count: int = 2,
     oov_buckets: int = 0,
+    admission_capacity: int | None = None,
   ):
     self.embedding = jr.DynamicEmbedding(
       capacity,
@@ -180,6 +182,7 @@ class ClickModel(nnx.Module):
       initializer=_INIT,
       rngs=rngs,
       oov_buckets=oov_buckets,
+      admission_capacity=admission_capacity,
     )
     self.hidden = nnx.Linear(num_fields * features, hidden, rngs=rngs)
     self.output = nnx.Linear(hidden, 1, rngs=rngs)
