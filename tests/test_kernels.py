@@ -285,10 +285,10 @@ def test_large_batches_with_lost_claims_equal_the_reference(num_words, bucket_si
     )
 
 
-@functools.partial(jax.jit, static_argnames=("reference", "layout"))
-def _evict(layout, flat, scores, words, pending, new_score, named, reference):
+@functools.partial(jax.jit, static_argnames=("reference", "layout", "window"))
+def _evict(layout, flat, scores, words, pending, new_score, named, reference, window=4):
   evict = eviction_rounds._evict_reference if reference else eviction_rounds.evict
-  return evict(layout, flat, scores, words, pending, new_score, named)
+  return evict(layout, flat, scores, words, pending, new_score, named, window)
 
 
 @pytest.mark.skipif(not native.ENABLED, reason="kernels off")
@@ -297,11 +297,13 @@ def _evict(layout, flat, scores, words, pending, new_score, named, reference):
   num_words=st.sampled_from([1, 2]),
   bucket_size=st.sampled_from([1, 4, 8]),
   protect=st.booleans(),
+  window=st.sampled_from([1, 2, 4]),
   seed=st.integers(0, 2**16),
 )
-def test_evict_kernel_equals_its_reference(num_words, bucket_size, protect, seed):
+def test_evict_kernel_equals_its_reference(num_words, bucket_size, protect, window, seed):
   """A full table's entries with random scores (ties included), a batch of present and new keys:
-  new keys evict in their home or next bucket, lose claims, move on, or are refused."""
+  new keys evict in either window, take free slots or their victims', lose claims and choose
+  again, or are refused."""
   rng = np.random.default_rng(seed)
   table = jr.OpenAddressingTable.create(
     48, key=KEYS[num_words], value=jnp.float32, bucket_size=bucket_size, eviction=jr.CustomScore()
@@ -318,7 +320,10 @@ def test_evict_kernel_equals_its_reference(num_words, bucket_size, protect, seed
   new_score = jnp.asarray(rng.integers(0, 8, words.shape[0], dtype=np.uint32))
   named = jnp.where(found, slot, -1) if protect else None
   args = (table.layout, table.buckets.reshape(-1), scores, words, pending, new_score, named)
-  kernel, reference = _evict(*args, reference=False), _evict(*args, reference=True)
+  kernel, reference = (
+    _evict(*args, reference=False, window=window),
+    _evict(*args, reference=True, window=window),
+  )
   _assert_same(kernel, reference)
   assert int(np.sum(reference.placed)) > 0  # evictions happened
 

@@ -20,6 +20,7 @@ LANE_SEED = 1  # which of a bucket's free slots a new key tries first (placing.p
 GROUPING_SEED = 0x0C1A  # equal keys of a batch found by a hash map (kernels/claims.owner_per_key)
 ROUTING_SEED = 0x5EED  # which shard owns a key (sharding/sharded_table.py)
 OOV_SEED = 0x5EED  # which OOV bucket an unknown key of a static vocabulary gets (a file format: never change)
+EVICTION_SEED = 0x2B0C  # where a new key's second window of eviction candidates starts
 SHARED_ROW_SEED = 0x0B0C  # which shared row an id without its own reads (nn/embedding.py; never change)
 
 # Multipliers that spread small integers over 32 bits (Knuth's golden ratio; murmur's fmix).
@@ -35,7 +36,8 @@ CHUNK_FRACTION = 8
 # The bucket array (storages/buckets.py): records padded to 64-byte cache lines of 16 words.
 LINE_WORDS = 16
 EVICTING_BUCKET_SIZE = 8  # slots per bucket of a table that evicts: a new key's candidates (measured)
-EVICTION_WINDOW = 2  # buckets a new key may look in: its home bucket, then the next
+EVICTION_WINDOW = 4  # buckets in each of a new key's two windows of candidates (storages/eviction_rounds.py)
+MAX_EVICTION_WINDOW = 64
 
 # (key words, slots per bucket) of the tables the kernels compile as constants: 1- and 2-word keys
 # in one cache line (storages/buckets.line_slots) and in a table that evicts.

@@ -1091,19 +1091,48 @@ class SlotSet {
   std::vector<int32_t> cells_;
 };
 
+// Slots mapped to int32 values (-1: none), for up to `capacity` slots: a batch's, never a table's.
+class SlotMap {
+ public:
+  explicit SlotMap(int64_t capacity)
+      : keys_(int64_t{1} << std::max(1, BitLength(2 * capacity + 1)), -1), values_(keys_.size(), -1) {}
+  void set(int32_t slot, int32_t value) {
+    const int64_t c = find(slot);
+    keys_[c] = slot;
+    values_[c] = value;
+  }
+  int32_t get(int32_t slot) const {
+    const int64_t c = find(slot);
+    return keys_[c] == slot ? values_[c] : -1;
+  }
+
+ private:
+  int64_t find(int32_t slot) const {  // the cell holding `slot`, or the empty one it would take
+    const int64_t wrap = keys_.size() - 1;
+    int64_t c = (static_cast<uint32_t>(slot) * kGoldenMix) & wrap;
+    while (keys_[c] >= 0 && keys_[c] != slot) c = (c + 1) & wrap;
+    return c;
+  }
+  std::vector<int32_t> keys_, values_;
+};
+
 
 // eviction_rounds.evict, round for round: each round the lowest pending rows (half
-// the batch first, then a chunk) choose the lowest-score eligible entry of
-// their current bucket from the records as the round found them; rows whose
-// victim is lower than their own score claim it (scratch cells, as
-// claims.lowest_writer); the winners then take their victims' slots.
+// the batch first, then a chunk) choose, from the records as the round found
+// them, the lowest-score eligible entry of their two windows and the slot they
+// will take (the first free one of their first window, else the victim's if it
+// is there); rows whose victim is lower than their own score claim it, then the
+// winners claim their slots (scratch cells, as claims.lowest_writer); the rows
+// that won both evict their victims and take their rows and the slots. A victim
+// placed by an earlier round's row displaces that row.
 ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_in, ffi::Buffer<ffi::U32> words_in,
                  ffi::Buffer<ffi::PRED> pending_in, ffi::Buffer<ffi::U32> new_score_in, ffi::Buffer<ffi::S32> named,
                  ffi::ResultBuffer<ffi::U32> records_out, ffi::ResultBuffer<ffi::U32> scores_out,
-                 ffi::ResultBuffer<ffi::S32> step_out, ffi::ResultBuffer<ffi::S32> slot_out,
-                 ffi::ResultBuffer<ffi::PRED> placed_out, ffi::ResultBuffer<ffi::PRED> refused_out,
-                 ffi::ResultBuffer<ffi::S32> victim_slot_out, ffi::ResultBuffer<ffi::U32> victim_words_out,
-                 ffi::ResultBuffer<ffi::U32> victim_score_out, int64_t bucket_size, bool protect) {
+                 ffi::ResultBuffer<ffi::S32> slot_out, ffi::ResultBuffer<ffi::PRED> placed_out,
+                 ffi::ResultBuffer<ffi::PRED> refused_out, ffi::ResultBuffer<ffi::PRED> displaced_out,
+                 ffi::ResultBuffer<ffi::S32> victim_batch_out, ffi::ResultBuffer<ffi::S32> victim_slot_out,
+                 ffi::ResultBuffer<ffi::S32> victim_row_out, ffi::ResultBuffer<ffi::U32> victim_words_out,
+                 ffi::ResultBuffer<ffi::U32> victim_score_out, int64_t bucket_size, int64_t window, bool protect) {
   uint32_t* records = records_out->typed_data();
   if (records != records_in.typed_data()) std::memcpy(records, records_in.typed_data(), records_in.size_bytes());
   uint32_t* scores = scores_out->typed_data();
@@ -1112,33 +1141,41 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
     const int64_t n = words_in.dimensions()[0], W = t.num_words, size = t.bucket_size;
     const uint32_t* words = words_in.typed_data();
     const uint32_t* new_score = new_score_in.typed_data();
-    int32_t* step = step_out->typed_data();
     int32_t* slot = slot_out->typed_data();
     bool* placed = placed_out->typed_data();
     bool* refused = refused_out->typed_data();
+    bool* displaced = displaced_out->typed_data();
+    int32_t* victim_batch = victim_batch_out->typed_data();
     int32_t* victim_slot = victim_slot_out->typed_data();
+    int32_t* victim_row = victim_row_out->typed_data();
     uint32_t* victim_words = victim_words_out->typed_data();
     uint32_t* victim_score = victim_score_out->typed_data();
-    std::fill(step, step + n, 0);
     std::fill(slot, slot + n, 0);
     std::fill(placed, placed + n, false);
     std::fill(refused, refused + n, false);
+    std::fill(displaced, displaced + n, false);
+    std::fill(victim_batch, victim_batch + n, -1);
     std::fill(victim_slot, victim_slot + n, 0);
+    std::fill(victim_row, victim_row + n, 0);
     std::fill(victim_words, victim_words + n * W, 0u);
     std::fill(victim_score, victim_score + n, 0u);
     const int64_t num_named = protect ? named.element_count() : 0;
-    SlotSet taken(num_named + n);  // the slots a row may not evict: named by the call, or placed by it
+    SlotSet taken(num_named);  // the slots a row may not evict: named by the call
     for (int64_t k = 0; k < num_named; ++k) taken.insert(named.typed_data()[k]);
+    SlotMap newcomer(n);  // the row whose key a slot holds, for keys this call placed
     std::vector<char> pending(n);
-    std::vector<int64_t> home(n);
+    std::vector<int64_t> home(n), second(n);
     for (int64_t i = 0; i < n; ++i) {
       pending[i] = pending_in.typed_data()[i];
-      if (pending[i]) home[i] = t.home(words + i * W);
+      if (pending[i]) {
+        home[i] = t.home(words + i * W);
+        second[i] = t.by_buckets.mod(HashWords(words + i * W, W, kEvictionSeed));
+      }
     }
-    std::vector<int64_t> rows, cells, bucket;
-    std::vector<int32_t> victim, scratch, writer;
+    std::vector<int64_t> rows, cells;
+    std::vector<int32_t> victim, target, scratch, writer, taker;
     std::vector<uint32_t> lowest;
-    std::vector<char> can;
+    std::vector<char> can, won;
     for (int32_t rounds = 0; std::any_of(pending.begin(), pending.end(), [](char p) { return p; }); ++rounds) {
       // This round's rows: the lowest pending ones, up to half the batch first, then a chunk.
       const int64_t m = rounds == 0 ? std::max<int64_t>(1, n / 2) : ChunkSize(n);
@@ -1147,59 +1184,82 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
         if (pending[i]) rows.push_back(i);
       }
       const int64_t live = rows.size();
-      bucket.resize(live);
-      for (int64_t p = 0; p < live; ++p) bucket[p] = (home[rows[p]] + step[rows[p]]) % t.num_buckets;
       victim.assign(m, 0);
-      lowest.assign(m, 0);
+      target.assign(m, -1);
+      lowest.assign(m, UINT32_MAX);
       can.assign(m, 0);
-      for (int64_t p = -kAhead; p < live; ++p) {
-        if (p + kAhead < live) {  // the record and scores of a bucket ahead
-          t.prefetch(bucket[p + kAhead]);
-          __builtin_prefetch(scores + bucket[p + kAhead] * size);
+      for (int64_t p = 0; p < live; ++p) {
+        const int64_t i = rows[p];
+        if (p + 1 < live) {  // the next row's windows
+          __builtin_prefetch(scores + home[rows[p + 1]] * size);
+          __builtin_prefetch(scores + second[rows[p + 1]] * size);
+          t.prefetch(home[rows[p + 1]]);
         }
-        if (p < 0) continue;
-        const int64_t b = bucket[p];
-        const uint32_t mask = t.mask(b);
         uint32_t best = UINT32_MAX;
-        int64_t choice = 0;  // the first minimum, as argmin
-        for (int64_t s = 0; s < size; ++s) {
-          const int32_t candidate = static_cast<int32_t>(b * size + s);
-          const bool eligible = ((mask >> s) & 1u) && !(protect && taken.contains(candidate));
-          if (eligible && scores[candidate] < best) {
-            best = scores[candidate];
-            choice = s;
+        int64_t choice = 0, first_free = -1;  // the first minimum, as argmin; the first free slot
+        for (int64_t w = 0; w < 2 * window; ++w) {
+          int64_t b = (w < window ? home[i] : second[i]) + (w % window);
+          if (b >= t.num_buckets) b %= t.num_buckets;
+          const uint32_t mask = t.mask(b);
+          for (int64_t s = 0; s < size; ++s) {
+            const int32_t candidate = static_cast<int32_t>(b * size + s);
+            if (!((mask >> s) & 1u)) {
+              if (w < window && first_free < 0) first_free = candidate;
+              continue;
+            }
+            if (protect && taken.contains(candidate)) continue;
+            if (scores[candidate] < best) {
+              best = scores[candidate];
+              choice = candidate;
+            }
           }
         }
-        victim[p] = static_cast<int32_t>(b * size + choice);
+        if (best == UINT32_MAX) choice = home[i] * size;  // as argmin over all-equal scores: the first
+        victim[p] = static_cast<int32_t>(choice);
         lowest[p] = best;
-        can[p] = best < new_score[rows[p]];
+        const bool in_first = t.distance(home[i], t.bucket_of(choice)) < window;
+        target[p] = static_cast<int32_t>(first_free >= 0 ? first_free : (in_first ? choice : -1));
+        can[p] = best < new_score[i] && target[p] >= 0;
       }
       const int64_t scratch_size = ScratchSize(m);
       cells.assign(m, 0);
       for (int64_t p = 0; p < m; ++p) cells[p] = CellOf(victim[p], rounds, scratch_size);
       LowestWriter(cells, can, scratch_size, scratch, writer);
+      won.assign(m, 0);
+      for (int64_t p = 0; p < m; ++p) won[p] = can[p] && writer[p] == p;
+      for (int64_t p = 0; p < m; ++p) cells[p] = CellOf(target[p], rounds, scratch_size);
+      LowestWriter(cells, won, scratch_size, scratch, taker);
       for (int64_t p = 0; p < live; ++p) {
         const int64_t i = rows[p];
         if (!can[p]) {
-          if (step[i] < kEvictionWindow - 1) {
-            ++step[i];  // on to the next bucket
-          } else {
-            refused[i] = true;
-            pending[i] = 0;
-          }
+          refused[i] = true;
+          pending[i] = 0;
           continue;
         }
-        if (writer[p] != p) continue;  // lost its cell: chooses again next round
-        const int32_t v = victim[p];
-        const int64_t b = t.bucket_of(v), s = v - b * size;
-        uint32_t* key = t.record(b) + s * W;
+        if (!won[p] || taker[p] != p) continue;  // lost a claim: chooses again next round
+        const int32_t v = victim[p], to = target[p];
+        const int64_t vb = t.bucket_of(v), vs = v - vb * size;
+        uint32_t* key = t.record(vb) + vs * W;
         std::memcpy(victim_words + i * W, key, W * sizeof(uint32_t));
-        for (int64_t r = 0, h = t.home(key), d = t.distance(h, b); r < d; ++r, h = t.next(h)) t.overflow(h) -= 1u;
-        std::memcpy(key, words + i * W, W * sizeof(uint32_t));
-        for (int64_t r = 0, h = home[i], d = t.distance(h, b); r < d; ++r, h = t.next(h)) t.overflow(h) += 1u;
-        scores[v] = new_score[i];
-        if (protect) taken.insert(v);
-        slot[i] = victim_slot[i] = v;
+        const uint32_t row = t.row(vb, vs);
+        for (int64_t r = 0, h = t.home(key), d = t.distance(h, vb); r < d; ++r, h = t.next(h)) t.overflow(h) -= 1u;
+        t.mask(vb) -= 1u << vs;
+        t.store(to, words + i * W);
+        const int64_t tb = t.bucket_of(to);
+        t.row(tb, to - tb * size) = row;
+        for (int64_t r = 0, h = home[i], d = t.distance(h, tb); r < d; ++r, h = t.next(h)) t.overflow(h) += 1u;
+        scores[to] = new_score[i];
+        const int32_t before = newcomer.get(v);
+        if (before >= 0) {  // a key this call placed: displaced
+          placed[before] = false;
+          displaced[before] = true;
+          victim_batch[i] = before;
+          newcomer.set(v, -1);
+        }
+        newcomer.set(to, static_cast<int32_t>(i));
+        slot[i] = to;
+        victim_slot[i] = v;
+        victim_row[i] = static_cast<int32_t>(row);
         victim_score[i] = lowest[p];
         placed[i] = true;
         pending[i] = 0;
@@ -1277,13 +1337,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresEvict, Evict,
                                   .Ret<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::PRED>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::PRED>>()
-                                  .Ret<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::Buffer<ffi::U32>>()
                                   .Attr<int64_t>("bucket_size")
+                                  .Attr<int64_t>("window")
                                   .Attr<bool>("protect"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresWriteRows, WriteRows,

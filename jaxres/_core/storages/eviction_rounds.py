@@ -1,17 +1,26 @@
-"""Eviction rounds: new keys of a full table replace low-score entries of their home bucket.
+"""Eviction rounds: new keys of a full table replace the lowest-score entries of two windows.
 
-Each new key's candidates are the entries of its home bucket that the call
-does not name (``bucket_size`` slots: what one probe reads). It takes the one
-of lowest score (the first in slot order on a tie) if that score is lower than
-its own: the key takes the entry's slot and the entry leaves. When no
-candidate there has a lower score (or the bucket has none), it looks in the
-next bucket the same way, up to ``WINDOW`` buckets; then it is refused.
+A new key's candidates are the occupied slots of two windows of ``window``
+buckets each: the first starts at its home bucket, the second at a bucket
+chosen by an independent hash of the key (``EVICTION_SEED``), so two keys that
+share a home rarely share both windows. Entries the call names are not
+candidates; entries it placed are, so that the keys of one batch compete by
+score as entries of the table do (a key placed, then evicted by a later key of
+the same call, is *displaced*: reported by the key that evicted it, with the
+value it offered). Under LRU every key a call names has the newest score, so
+its keys never evict each other. The key takes the candidate of lowest score
+(the first in window, bucket, slot order on a tie) if that score is lower than
+its own; else it is refused. The victim leaves, and the key takes the victim's value
+row and the first free slot of its first window (a table that evicts is at
+most half full, so one is there: lookups then find it from its home as any
+key); only if that window has none does it take the victim's slot, and only
+if the victim is in that window (else it is refused).
 
-Keys choose in parallel; when several choose one entry, it goes to the lowest
-batch row (an integer scatter-min claim, deterministic on every backend) and
-the others choose again in the next round, seeing what the winners placed.
-Work per round is O(rows x bucket_size). On CPU a kernel (``jaxres_evict``)
-runs the same rounds one row at a time.
+Keys choose in parallel. When several choose one victim (or one free slot),
+it goes to the lowest batch row (an integer scatter-min claim, deterministic
+on every backend) and the others choose again in the next round, seeing what
+the winners did. Work per round is O(rows x window x bucket_size). On CPU a
+kernel (``jaxres_evict``) runs the same rounds one row at a time.
 """
 
 from __future__ import annotations
@@ -24,10 +33,10 @@ import numpy as np
 from jax import lax
 
 from jaxres._core import constants
+from jaxres._core.encoding.hashing import hash_words
 from jaxres._core.kernels import claims, native
 from jaxres._core.storages.buckets import Layout
 
-WINDOW = constants.EVICTION_WINDOW  # buckets a new key may look in: its home, then the next
 _NO_SCORE = np.uint32(np.iinfo(np.uint32).max)
 
 
@@ -36,11 +45,13 @@ class Outcome(NamedTuple):
 
   flat: jax.Array | None  # the bucket records, updated
   scores: jax.Array | None  # the per-slot scores, updated
-  step: jax.Array  # int32[N]: buckets past home the row looked in
   slot: jax.Array  # int32[N]: where a placed row's key now lives
-  placed: jax.Array  # bool[N]: the row's key took an entry's slot
+  placed: jax.Array  # bool[N]: the row's key evicted an entry and took its value row (and stayed)
   refused: jax.Array  # bool[N]: the row's key was refused
+  displaced: jax.Array  # bool[N]: the row's key evicted an entry, then a later row's key evicted it
+  victim_batch: jax.Array  # int32[N]: the row that had placed the victim, if this call's (else -1)
   victim_slot: jax.Array  # int32[N]: the slot of the entry a placed row evicted
+  victim_row: jax.Array  # int32[N]: that entry's value row (now the placed key's)
   victim_words: jax.Array  # uint32[N, W]: that entry's key
   victim_score: jax.Array  # uint32[N]: that entry's score
 
@@ -53,6 +64,7 @@ def evict(
   pending: jax.Array,
   new_score: jax.Array,
   named: jax.Array | None,
+  window: int,
 ) -> Outcome:
   """Places the keys of the ``pending`` rows (distinct new keys) by evicting entries.
 
@@ -65,20 +77,21 @@ def evict(
     named: int32[M] slots of the entries the call names, which must not be
       evicted, or ``None`` when scores already protect them (every named
       entry's score then equals the highest a new key can have).
+    window: buckets in each of a key's two windows of candidates.
   """
   n, protect = words.shape[0], named is not None
   records = flat.reshape(layout.num_buckets, layout.record_width)
   results = (
     jax.ShapeDtypeStruct(records.shape, jnp.uint32),
     jax.ShapeDtypeStruct(scores.shape, jnp.uint32),
-    *[jax.ShapeDtypeStruct((n,), dtype) for dtype in (jnp.int32, jnp.int32, bool, bool, jnp.int32)],
+    *[jax.ShapeDtypeStruct((n,), t) for t in (jnp.int32, bool, bool, bool, jnp.int32, jnp.int32, jnp.int32)],
     jax.ShapeDtypeStruct(words.shape, jnp.uint32),
     jax.ShapeDtypeStruct((n,), jnp.uint32),
   )
 
   def reference(records, scores, words, pending, new_score, named):
     outcome = _evict_reference(
-      layout, records.reshape(-1), scores, words, pending, new_score, named if protect else None
+      layout, records.reshape(-1), scores, words, pending, new_score, named if protect else None, window
     )
     return tuple(outcome._replace(flat=outcome.flat.reshape(records.shape)))
 
@@ -92,62 +105,93 @@ def evict(
       *args,
       aliases={0: 0, 1: 1},
       bucket_size=layout.bucket_size,
+      window=window,
       protect=protect,
     )
   )
   return outcome._replace(flat=outcome.flat.reshape(-1))
 
 
-def _evict_reference(layout, flat, scores, words, pending, new_score, named) -> Outcome:
+def windows(layout: Layout, words: jax.Array, window: int) -> jax.Array:
+  """int32[N, 2 * window]: the buckets of each key row's two windows, in the order candidates rank."""
+  second = (hash_words(words, seed=constants.EVICTION_SEED) % jnp.uint32(layout.num_buckets)).astype(
+    jnp.int32
+  )
+  steps = jnp.arange(window, dtype=jnp.int32)
+  starts = jnp.stack([layout.home(words), second], axis=1)
+  return ((starts[:, :, None] + steps) % layout.num_buckets).reshape(words.shape[0], 2 * window)
+
+
+def _evict_reference(layout, flat, scores, words, pending, new_score, named, window) -> Outcome:
   """:func:`evict` in data-parallel rounds: the GPU/TPU path and the kernel's reference."""
-  n = words.shape[0]
+  n, size = words.shape[0], layout.bucket_size
+  taken = None if named is None else jnp.sort(named)
 
   def round_(state, rows, target):
     rounds, flat, scores, out, pending = state
     position = jnp.arange(rows.shape[0], dtype=jnp.int32)
     active = pending[rows] & (target < n)
-    home = layout.home(words[rows])
-    bucket = (home + out.step[rows]) % layout.num_buckets
-    records = layout.records(flat, bucket)  # [R, record]: one gather
-    candidate = bucket[:, None] * layout.bucket_size + jnp.arange(layout.bucket_size, dtype=jnp.int32)
-    eligible = layout.occupancy(records[:, layout.mask_column])
-    if named is not None:
-      eligible = eligible & ~_among(candidate, named, out.slot, out.placed)
-    candidate_score = jnp.where(eligible, layout.bucket_rows(scores, bucket), _NO_SCORE)
+    row_words = words[rows]
+    home = layout.home(row_words)
+    bucket = windows(layout, row_words, window)  # [R, 2 * window]
+    records = layout.records(flat, bucket)  # [R, 2 * window, record]: one gather
+    candidate = (bucket[:, :, None] * size + jnp.arange(size, dtype=jnp.int32)).reshape(rows.shape[0], -1)
+    occupied = layout.occupancy(records[..., layout.mask_column]).reshape(rows.shape[0], -1)
+    eligible = occupied if taken is None else occupied & ~_among(candidate, taken)
+    candidate_score = jnp.where(
+      eligible, layout.bucket_rows(scores, bucket).reshape(rows.shape[0], -1), _NO_SCORE
+    )
     choice = jnp.argmin(candidate_score, axis=-1)  # the first minimum
 
-    def chosen(x):
-      return jnp.take_along_axis(x, choice.reshape(-1, *[1] * (x.ndim - 1)), axis=1)[:, 0]
+    def chosen(x, at):
+      return jnp.take_along_axis(x, at.reshape(-1, *[1] * (x.ndim - 1)), axis=1)[:, 0]
 
-    victim, victim_score = chosen(candidate), chosen(candidate_score)
-    lower = victim_score < new_score[rows]  # the lowest candidate here can be replaced
-    onward = active & ~lower & (out.step[rows] < WINDOW - 1)  # else: the next bucket
-    can = active & lower
-    refused = active & ~can & ~onward
+    victim, victim_score = chosen(candidate, choice), chosen(candidate_score, choice)
+    # Where the key goes: the first free slot of its first window, else the victim's slot if there.
+    free = ~occupied[:, : window * size]
+    first_free = chosen(candidate, jnp.argmax(free, axis=-1))
+    in_first = (victim // size - home) % layout.num_buckets < window
+    slot = jnp.where(jnp.any(free, axis=-1), first_free, jnp.where(in_first, victim, -1))
+    can = active & (victim_score < new_score[rows]) & (slot >= 0)
     scratch = claims.scratch_size(rows.shape[0])
     winner = claims.lowest_writer(claims.cell_of(victim, rounds, scratch), can, scratch)
-    won = can & (victim[winner] == victim) & (winner == position)
-    victim_words = chosen(layout.keys_of(records))
+    won = can & (winner == position)
+    taker = claims.lowest_writer(claims.cell_of(slot, rounds, scratch), won, scratch)
+    won = won & (taker == position)
+    # A victim this call placed: the row that placed it is displaced (placed rows by slot, sorted).
+    placed_slots = jnp.where(out.placed, out.slot, jnp.iinfo(jnp.int32).max)
+    by_slot = jnp.argsort(placed_slots).astype(jnp.int32)
+    at = jnp.clip(jnp.searchsorted(placed_slots[by_slot], victim), 0, n - 1)
+    before = jnp.where(won & (placed_slots[by_slot[at]] == victim), by_slot[at], -1)
+    victim_keys = layout.keys_of(records).reshape(rows.shape[0], -1, layout.num_words)
+    victim_words = chosen(victim_keys, choice)
+    victim_row = layout.row_of(flat, victim)
     flat = layout.unset(flat, victim, won)
     flat = layout.shift_overflow(flat, layout.home(victim_words), victim, won, -1)
-    flat = layout.store(flat, victim, words[rows], won)
-    flat = layout.shift_overflow(flat, home, victim, won, +1)
-    scores = scores.at[jnp.where(won, victim, scores.shape[0])].set(new_score[rows], mode="drop")
+    flat = layout.store(flat, slot, row_words, won)
+    flat = flat.at[jnp.where(won, layout.row_cell(slot), flat.size)].set(
+      victim_row.astype(jnp.uint32), mode="drop"
+    )
+    flat = layout.shift_overflow(flat, home, slot, won, +1)
+    scores = scores.at[jnp.where(won, slot, scores.shape[0])].set(new_score[rows], mode="drop")
 
     def put(field, value, mask):
       return field.at[jnp.where(mask, target, n)].set(value, mode="drop")
 
+    refused = active & ~can
+    displaced = jnp.where(before >= 0, before, n)  # distinct: victims are
     out = out._replace(
-      step=put(out.step, out.step[rows] + 1, onward),
-      slot=put(out.slot, victim, won),
-      placed=put(out.placed, won, won),
+      slot=put(out.slot, slot, won),
+      placed=put(out.placed, won, won).at[displaced].set(False, mode="drop"),
       refused=put(out.refused, refused, refused),
+      displaced=out.displaced.at[displaced].set(True, mode="drop"),
+      victim_batch=put(out.victim_batch, before, won),
       victim_slot=put(out.victim_slot, victim, won),
+      victim_row=put(out.victim_row, victim_row, won),
       victim_words=put(out.victim_words, victim_words, won),
       victim_score=put(out.victim_score, victim_score, won),
     )
-    still = active & (onward | (can & ~won))
-    return rounds + 1, flat, scores, out, pending.at[target].set(still, mode="drop")
+    return rounds + 1, flat, scores, out, pending.at[target].set(can & ~won, mode="drop")
 
   def later_round(state):
     return round_(state, *claims.pending_rows(state[-1], claims.chunk_size(n)))
@@ -156,11 +200,13 @@ def _evict_reference(layout, flat, scores, words, pending, new_score, named) -> 
   out = Outcome(  # the records and scores travel in the loop state, not twice
     flat=None,
     scores=None,
-    step=index * 0,
     slot=index * 0,
     placed=jnp.zeros(n, bool),
     refused=jnp.zeros(n, bool),
+    displaced=jnp.zeros(n, bool),
+    victim_batch=index * 0 - 1,
     victim_slot=index * 0,
+    victim_row=index * 0,
     victim_words=jnp.zeros((n, layout.num_words), jnp.uint32),
     victim_score=jnp.zeros(n, jnp.uint32),
   )
@@ -170,8 +216,9 @@ def _evict_reference(layout, flat, scores, words, pending, new_score, named) -> 
   return out._replace(flat=flat, scores=scores)
 
 
-def _among(candidate: jax.Array, named: jax.Array, slot: jax.Array, placed: jax.Array) -> jax.Array:
-  """bool[R, C]: which candidate slots hold entries the call names or has placed."""
-  taken = jnp.sort(jnp.concatenate([named, jnp.where(placed, slot, -1)]))
+def _among(candidate: jax.Array, taken: jax.Array) -> jax.Array:
+  """bool[R, C]: which candidate slots are among the sorted slots ``taken``."""
+  if taken.shape[0] == 0:
+    return jnp.zeros(candidate.shape, bool)
   at = jnp.clip(jnp.searchsorted(taken, candidate), 0, taken.shape[0] - 1)
   return taken[at] == candidate

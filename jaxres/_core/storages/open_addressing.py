@@ -82,6 +82,7 @@ class OpenAddressingTable(Storage):
   value_spec: ValueSpec = static_field()
   eviction: Policy | None = static_field()
   bucket_size: int = static_field()
+  eviction_window: int = static_field()
 
   @classmethod
   def create(
@@ -93,6 +94,7 @@ class OpenAddressingTable(Storage):
     *,
     bucket_size: int | None = None,
     eviction: Policy | None = None,
+    eviction_window: int = constants.EVICTION_WINDOW,
   ) -> OpenAddressingTable:
     """An empty table guaranteed to hold ``capacity`` live entries.
 
@@ -107,24 +109,29 @@ class OpenAddressingTable(Storage):
       bucket_size: slots per bucket, fetched by one gather (1 to 32); by
         default as many as fill one 64-byte cache line with the bucket's
         record (7 for 32-bit keys, 4 for 64-bit ones); 8 with an eviction
-        policy (a new key's candidates are its home bucket's entries).
+        policy.
       eviction: ``None`` (a full table refuses new keys, counted in
         ``dropped``), or ``jr.LRU()``, ``jr.LFU()``, ``jr.CustomScore()``: a
         full table evicts (see :mod:`jaxres` section on eviction). Scores take
         4 bytes per slot.
+      eviction_window: buckets in each of a new key's two windows of
+        eviction candidates (1 to 64; default 4: 64 slots, about 32 entries).
+        More candidates evict closer to the lowest scores of the whole table,
+        at more reads per evicting key (see :mod:`eviction_rounds`).
 
     Raises:
       TypeError: unsupported key or value dtype, non-integer ``capacity`` or
         ``bucket_size``, an ``eviction`` that is not a policy.
-      ValueError: ``capacity`` or ``bucket_size`` out of range.
+      ValueError: ``capacity``, ``bucket_size`` or ``eviction_window`` out of range.
     """
     capacity = check_capacity(capacity)
+    eviction_window = check_int(eviction_window, "eviction_window", low=1, high=constants.MAX_EVICTION_WINDOW)
     eviction = check_policy(eviction)
     key_spec, value_spec, default = cls._specs(key, value, default)
     if bucket_size is None:
       bucket_size = line_slots(key_spec.num_words) if eviction is None else _EVICTION_BUCKET
     bucket_size = check_int(bucket_size, "bucket_size", low=1, high=32)
-    return _empty(capacity, key_spec, value_spec, default, bucket_size, eviction)
+    return _empty(capacity, key_spec, value_spec, default, bucket_size, eviction, eviction_window)
 
   # ------------------------------------------------------------- layout
 
@@ -191,7 +198,15 @@ class OpenAddressingTable(Storage):
     return self.layout.row_of(self.buckets.reshape(-1), slot)
 
   def _with_capacity(self, capacity):
-    return _empty(capacity, self.key_spec, self.value_spec, self.default, self.bucket_size, self.eviction)
+    return _empty(
+      capacity,
+      self.key_spec,
+      self.value_spec,
+      self.default,
+      self.bucket_size,
+      self.eviction,
+      self.eviction_window,
+    )
 
   # ------------------------------------------------------------ queries
 
@@ -397,25 +412,36 @@ class OpenAddressingTable(Storage):
     )
     protect = None if self.eviction.names_newest and given_scores is None else jnp.where(stored, slot, -1)
     outcome = eviction_rounds.evict(
-      self.layout, self.buckets.reshape(-1), scores, words, to_evict & heads, score, protect
+      self.layout,
+      self.buckets.reshape(-1),
+      scores,
+      words,
+      to_evict & heads,
+      score,
+      protect,
+      self.eviction_window,
     )
     # Rows of a key that had to evict follow its first row.
     placed = to_evict & outcome.placed[first]
     refused = to_evict & heads & outcome.refused
+    evicted = heads & (outcome.placed | outcome.displaced)  # rows that made an entry leave
     table = dataclasses.replace(
       self,
       buckets=outcome.flat.reshape(self.buckets.shape),
       slot_scores=outcome.scores,
-      evictions=self.evictions + jnp.sum(heads & (outcome.placed | outcome.refused), dtype=jnp.int32),
+      evictions=self.evictions + jnp.sum(evicted | refused, dtype=jnp.int32),
     )
-    victim_row = table._row_of(outcome.victim_slot)
+    victim_row = outcome.victim_row
+    offered = first if mode.keeps_present else last
+    # A row whose victim was a key of this call (displaced) reports that key's offered value.
+    newcomer = outcome.victim_batch >= 0
     victims = Victims(
       words=jnp.where(refused[:, None], words, outcome.victim_words),
       row=victim_row,
       scores=jnp.where(refused, score, outcome.victim_score),
-      valid=refused | (heads & outcome.placed),
-      refused=refused,
-      offered=first if mode.keeps_present else last,
+      valid=refused | evicted,
+      refused=refused | newcomer,
+      offered=jnp.where(newcomer, offered[jnp.maximum(outcome.victim_batch, 0)], offered),
     )
     row = jnp.where(placed, victim_row[first], row)
     return table, Claim(found, admitted | placed, row, first, victims)
@@ -440,8 +466,8 @@ class Victims(NamedTuple):
   row: jax.Array  # int32[N]: the victim's value row, read before a newcomer writes it
   scores: jax.Array  # uint32[N]
   valid: jax.Array  # bool[N]: the rows that evicted an entry or were refused
-  refused: jax.Array  # bool[N]
-  offered: jax.Array  # int32[N]: the row whose value a refused key offered
+  refused: jax.Array  # bool[N]: the row reports a key of the call (refused, or displaced by the row)
+  offered: jax.Array  # int32[N]: the row whose value that key offered
 
 
 class Claim(NamedTuple):
@@ -499,11 +525,12 @@ def _jit_place(table: OpenAddressingTable, words, leaves, given_scores, slots, v
   return table._place_rows(words, leaves, given_scores, slots, valid)
 
 
-def _empty(capacity, key_spec, value_spec, default, bucket_size, eviction):
+def _empty(capacity, key_spec, value_spec, default, bucket_size, eviction, eviction_window):
   layout = Layout(max(1, math.ceil(capacity / (bucket_size * _MAX_LOAD))), bucket_size, key_spec.num_words)
   return OpenAddressingTable(
     buckets=jnp.zeros((layout.num_buckets, layout.record_width), jnp.uint32),
     free_rows=jnp.arange(capacity, dtype=jnp.int32),
     bucket_size=bucket_size,
+    eviction_window=eviction_window,
     **empty_fields(capacity, key_spec, value_spec, default, layout.num_slots, eviction, stamps=True),
   )
