@@ -36,7 +36,7 @@ CHUNK_FRACTION = 8
 # The bucket array (storages/buckets.py): records padded to 64-byte cache lines of 16 words.
 LINE_WORDS = 16
 EVICTING_BUCKET_SIZE = 8  # slots per bucket of a table that evicts: a new key's candidates (measured)
-EVICTION_WINDOW = 4  # buckets in each of a new key's two windows of candidates (storages/eviction_rounds.py)
+EVICTION_WINDOW = 1  # buckets in each of a new key's two windows of candidates (storages/eviction_rounds.py)
 MAX_EVICTION_WINDOW = 64
 
 # (key words, slots per bucket) of the tables the kernels compile as constants: 1- and 2-word keys

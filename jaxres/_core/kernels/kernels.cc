@@ -1165,13 +1165,25 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
     SlotMap newcomer(n);  // the row whose key a slot holds, for keys this call placed
     std::vector<char> pending(n);
     std::vector<int64_t> home(n), second(n);
+    std::vector<uint32_t> lane(n);
     for (int64_t i = 0; i < n; ++i) {
       pending[i] = pending_in.typed_data()[i];
       if (pending[i]) {
         home[i] = t.home(words + i * W);
         second[i] = t.by_buckets.mod(HashWords(words + i * W, W, kEvictionSeed));
+        lane[i] = (HashWords(words + i * W, W, kLaneSeed) * kGoldenMix) >> 16;
       }
     }
+    const uint32_t all_slots = size >= 32 ? UINT32_MAX : (1u << size) - 1u;
+    // The lines a row reads: its home record and the scores of its windows.
+    const auto fetch = [&](int64_t i) {
+      t.prefetch(home[i]);
+      for (int64_t w = 0; w < 2 * window; ++w) {
+        int64_t b = (w < window ? home[i] : second[i]) + (w % window);
+        if (b >= t.num_buckets) b %= t.num_buckets;
+        if (w % window == 0 || (b * size) % 16 == 0) __builtin_prefetch(scores + b * size);
+      }
+    };
     std::vector<int64_t> rows, cells;
     std::vector<int32_t> victim, target, scratch, writer, taker;
     std::vector<uint32_t> lowest;
@@ -1188,29 +1200,26 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
       target.assign(m, -1);
       lowest.assign(m, UINT32_MAX);
       can.assign(m, 0);
+      constexpr int64_t kRowsAhead = 3;
+      for (int64_t p = 0; p < std::min<int64_t>(kRowsAhead, live); ++p) fetch(rows[p]);
       for (int64_t p = 0; p < live; ++p) {
         const int64_t i = rows[p];
-        if (p + 1 < live) {  // the next row's windows
-          __builtin_prefetch(scores + home[rows[p + 1]] * size);
-          __builtin_prefetch(scores + second[rows[p + 1]] * size);
-          t.prefetch(home[rows[p + 1]]);
-        }
+        if (p + kRowsAhead < live) fetch(rows[p + kRowsAhead]);
         uint32_t best = UINT32_MAX;
-        int64_t choice = 0, first_free = -1;  // the first minimum, as argmin; the first free slot
+        int64_t choice = 0, first_free = -1;  // the first minimum, as argmin; the slot to take
         for (int64_t w = 0; w < 2 * window; ++w) {
           int64_t b = (w < window ? home[i] : second[i]) + (w % window);
           if (b >= t.num_buckets) b %= t.num_buckets;
-          const uint32_t mask = t.mask(b);
+          if (w < window && first_free < 0) {  // the first bucket with room: the lane's free slot
+            const uint32_t free = ~t.mask(b) & all_slots;
+            if (free) first_free = b * size + NthSetBit(free, lane[i] % static_cast<uint32_t>(BitCount(free)));
+          }
+          // Scores alone: a free slot scores UINT32_MAX (the table keeps it so), never lower.
+          const uint32_t* bucket_scores = scores + b * size;
           for (int64_t s = 0; s < size; ++s) {
-            const int32_t candidate = static_cast<int32_t>(b * size + s);
-            if (!((mask >> s) & 1u)) {
-              if (w < window && first_free < 0) first_free = candidate;
-              continue;
-            }
-            if (protect && taken.contains(candidate)) continue;
-            if (scores[candidate] < best) {
-              best = scores[candidate];
-              choice = candidate;
+            if (bucket_scores[s] < best && !(protect && taken.contains(static_cast<int32_t>(b * size + s)))) {
+              best = bucket_scores[s];
+              choice = b * size + s;
             }
           }
         }
@@ -1231,6 +1240,7 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
       LowestWriter(cells, won, scratch_size, scratch, taker);
       for (int64_t p = 0; p < live; ++p) {
         const int64_t i = rows[p];
+        if (p + kRowsAhead < live && can[p + kRowsAhead]) t.prefetch(t.bucket_of(victim[p + kRowsAhead]));
         if (!can[p]) {
           refused[i] = true;
           pending[i] = 0;
@@ -1248,6 +1258,7 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
         const int64_t tb = t.bucket_of(to);
         t.row(tb, to - tb * size) = row;
         for (int64_t r = 0, h = home[i], d = t.distance(h, tb); r < d; ++r, h = t.next(h)) t.overflow(h) += 1u;
+        scores[v] = UINT32_MAX;  // free
         scores[to] = new_score[i];
         const int32_t before = newcomer.get(v);
         if (before >= 0) {  // a key this call placed: displaced

@@ -37,7 +37,7 @@ from jaxres._core.encoding.hashing import hash_words
 from jaxres._core.kernels import claims, native
 from jaxres._core.storages.buckets import Layout
 
-_NO_SCORE = np.uint32(np.iinfo(np.uint32).max)
+_NO_SCORE = np.uint32(np.iinfo(np.uint32).max)  # a free slot's score (storage.NO_SCORE): never evicted
 
 
 class Outcome(NamedTuple):
@@ -147,11 +147,19 @@ def _evict_reference(layout, flat, scores, words, pending, new_score, named, win
       return jnp.take_along_axis(x, at.reshape(-1, *[1] * (x.ndim - 1)), axis=1)[:, 0]
 
     victim, victim_score = chosen(candidate, choice), chosen(candidate_score, choice)
-    # Where the key goes: the first free slot of its first window, else the victim's slot if there.
-    free = ~occupied[:, : window * size]
-    first_free = chosen(candidate, jnp.argmax(free, axis=-1))
+    # Where the key goes: the first bucket of its first window with a free slot, the free slot its
+    # lane picks there (as placing.py: keys sharing the bucket rarely pick the same slot); else
+    # the victim's slot if it is in that window.
+    free = ~occupied[:, : window * size].reshape(rows.shape[0], window, size)
+    room = jnp.any(free, axis=-1)
+    first = jnp.argmax(room, axis=-1)
+    free = chosen(free, first)  # [R, size]
+    lane = (hash_words(row_words, seed=constants.LANE_SEED) * np.uint32(constants.GOLDEN_MIX)) >> 16
+    nth = lane % jnp.maximum(jnp.sum(free, axis=-1, dtype=jnp.uint32), 1)
+    offset = jnp.argmax(free & (jnp.cumsum(free, axis=-1, dtype=jnp.uint32) == (nth + 1)[:, None]), axis=-1)
+    first_free = chosen(bucket, first) * size + offset.astype(jnp.int32)
     in_first = (victim // size - home) % layout.num_buckets < window
-    slot = jnp.where(jnp.any(free, axis=-1), first_free, jnp.where(in_first, victim, -1))
+    slot = jnp.where(jnp.any(room, axis=-1), first_free, jnp.where(in_first, victim, -1))
     can = active & (victim_score < new_score[rows]) & (slot >= 0)
     scratch = claims.scratch_size(rows.shape[0])
     winner = claims.lowest_writer(claims.cell_of(victim, rounds, scratch), can, scratch)
@@ -173,6 +181,7 @@ def _evict_reference(layout, flat, scores, words, pending, new_score, named, win
       victim_row.astype(jnp.uint32), mode="drop"
     )
     flat = layout.shift_overflow(flat, home, slot, won, +1)
+    scores = scores.at[jnp.where(won, victim, scores.shape[0])].set(_NO_SCORE, mode="drop")  # freed
     scores = scores.at[jnp.where(won, slot, scores.shape[0])].set(new_score[rows], mode="drop")
 
     def put(field, value, mask):

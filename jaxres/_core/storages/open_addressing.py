@@ -40,7 +40,7 @@ from jaxres._core.policies import Policy, check_policy
 from jaxres._core.pytrees import pytree_dataclass, static_field
 from jaxres._core.storages import eviction_rounds, placing
 from jaxres._core.storages.buckets import LINE_WORDS, Layout
-from jaxres._core.storages.storage import Storage, empty_fields
+from jaxres._core.storages.storage import NO_SCORE, Storage, empty_fields
 from jaxres._core.table import Changes, LiveEntries, check_capacity
 from jaxres._errors import check_int
 
@@ -115,7 +115,7 @@ class OpenAddressingTable(Storage):
         full table evicts (see :mod:`jaxres` section on eviction). Scores take
         4 bytes per slot.
       eviction_window: buckets in each of a new key's two windows of
-        eviction candidates (1 to 64; default 4: 64 slots, about 32 entries).
+        eviction candidates (1 to 64; default 1: 16 slots, about 8 entries).
         More candidates evict closer to the lowest scores of the whole table,
         at more reads per evicting key (see :mod:`eviction_rounds`).
 
@@ -451,6 +451,11 @@ class OpenAddressingTable(Storage):
     flat = layout.unset(self.buckets.reshape(-1), slot, mask)
     flat = layout.shift_overflow(flat, layout.home(words), slot, mask, -1)
     table = dataclasses.replace(self, buckets=flat.reshape(self.buckets.shape))
+    if self.eviction is not None:  # a free slot scores the highest (see eviction_rounds)
+      drop = self.slot_scores.shape[0]
+      table = dataclasses.replace(
+        table, slot_scores=self.slot_scores.at[jnp.where(mask, slot, drop)].set(NO_SCORE, mode="drop")
+      )
     # The released rows go on top of the free ones, free_rows[size - released:]. Their row
     # cells are read from the updated records (unchanged): a read of the old ones would make
     # XLA copy the whole array.

@@ -30,6 +30,8 @@ from jaxres._core.modes import Carry, Upsert
 from jaxres._core.policies import Policy
 from jaxres._core.table import Table
 
+NO_SCORE = jnp.iinfo(jnp.uint32).max  # the score of a free slot
+
 
 def empty_fields(
   capacity: int, key_spec, value_spec, default, slots: int, eviction: Policy | None, stamps: bool = False
@@ -39,7 +41,8 @@ def empty_fields(
   return {
     "values": tuple(value_spec.empty((capacity,))),
     "default": tuple(default),
-    "slot_scores": jnp.zeros((slots if eviction is not None else 0,), jnp.uint32),
+    # A free slot scores the highest: no new key evicts it (eviction_rounds reads scores alone).
+    "slot_scores": jnp.full((slots if eviction is not None else 0,), NO_SCORE, jnp.uint32),
     "row_stamps": jnp.zeros((capacity if stamps else 0,), jnp.uint32),
     "size": jnp.zeros((), jnp.int32),
     "dropped": jnp.zeros((), jnp.int32),
