@@ -63,17 +63,23 @@ PEERS = {  # name -> (label, environment)
 }
 
 
-def measure(peer: str, python: str, stream: Path, capacity: int, warmup: int, steps: int) -> dict:
-  """One process of :mod:`benchmarks.step_peers` at one capacity: ``{capacity: us}`` or ``{"error": why}``."""
-  command = [python, "-m", "benchmarks.step_peers", peer, "--stream", str(stream)]
-  command += ["--capacities", str(capacity), "--warmup", str(warmup), "--steps", str(steps)]
+def run_peer(python: str, module: str, *args) -> dict:
+  """``python -m module *args`` in a process of its own: the JSON of its last line, or ``{"error": why}``."""
+  command = [python, "-m", module, *map(str, args)]
   env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
   done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
   lines = done.stdout.strip().splitlines()
   if done.returncode or not lines:
     last = (done.stderr.strip().splitlines() or ["no output"])[-1]
     return {"error": f"exit {done.returncode}: {last[:200]}"}
-  return {int(k) if k.isdigit() else k: v for k, v in json.loads(lines[-1]).items()}
+  return json.loads(lines[-1])
+
+
+def measure(peer: str, python: str, stream: Path, capacity: int, warmup: int, steps: int) -> dict:
+  """One process of :mod:`benchmarks.step_peers` at one capacity: ``{capacity: us}`` or ``{"error": why}``."""
+  args = (peer, "--stream", stream, "--capacities", capacity, "--warmup", warmup, "--steps", steps)
+  figures = run_peer(python, "benchmarks.step_peers", *args)
+  return {int(k) if k.isdigit() else k: v for k, v in figures.items()}
 
 
 def step_times(pythons: dict, peers: list[str], capacities: list[int], steps: int, runs: int) -> dict:
@@ -190,15 +196,9 @@ BUDGET = (1 << 16) * quality_peers.ADAM_BYTES  # bytes: 2^16 hashed rows with Ad
 
 def train_peer(peer: str, python: str, data: Path, budget: int, seed: int) -> dict:
   """One process of :mod:`benchmarks.quality_peers`: ``{"losses", "bytes", "rows"}`` or ``{"error"}``."""
-  command = [python, "-m", "benchmarks.quality_peers", peer, "--data", str(data)]
-  command += ["--budget", str(budget), "--seed", str(seed)]
-  env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
-  done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-  lines = done.stdout.strip().splitlines()
-  if done.returncode or not lines:
-    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"error": f"exit {done.returncode}: {last[:200]}"}
-  return json.loads(lines[-1])
+  return run_peer(
+    python, "benchmarks.quality_peers", peer, "--data", data, "--budget", budget, "--seed", seed
+  )
 
 
 def quality(pythons: dict, peers: list[str], config: RunConfig, steps: int, seeds: int, budget: int) -> dict:

@@ -285,6 +285,12 @@ def test_large_batches_with_lost_claims_equal_the_reference(num_words, bucket_si
     )
 
 
+def _free_score_highest(table, scores):
+  """``scores`` with every free slot's set to the highest, as a table keeps them (eviction_rounds)."""
+  live = np.asarray(table.layout.occupancy(table.buckets[:, table.layout.mask_column])).reshape(-1)
+  return jnp.asarray(np.where(live, scores, np.iinfo(np.uint32).max).astype(np.uint32))
+
+
 @functools.partial(jax.jit, static_argnames=("reference", "layout", "window"))
 def _evict(layout, flat, scores, words, pending, new_score, named, reference, window=4):
   evict = eviction_rounds._evict_reference if reference else eviction_rounds.evict
@@ -297,7 +303,7 @@ def _evict(layout, flat, scores, words, pending, new_score, named, reference, wi
   num_words=st.sampled_from([1, 2]),
   bucket_size=st.sampled_from([1, 4, 8]),
   protect=st.booleans(),
-  window=st.sampled_from([1, 2, 4]),
+  window=st.sampled_from([1, 4]),
   seed=st.integers(0, 2**16),
 )
 def test_evict_kernel_equals_its_reference(num_words, bucket_size, protect, window, seed):
@@ -315,7 +321,7 @@ def test_evict_kernel_equals_its_reference(num_words, bucket_size, protect, wind
   fresh = np.unique(rng.integers(0, 2**32, (40, num_words), dtype=np.uint32), axis=0)
   words = jnp.asarray(np.concatenate([stored[rng.integers(0, len(stored), 24)], fresh]))
   found, slot = _locate(table, words, True)
-  scores = jnp.asarray(rng.integers(0, 6, table.num_slots, dtype=np.uint32))
+  scores = _free_score_highest(table, rng.integers(0, 6, table.num_slots, dtype=np.uint32))
   pending = ~found & jnp.asarray(rng.random(words.shape[0]) < 0.9)
   new_score = jnp.asarray(rng.integers(0, 8, words.shape[0], dtype=np.uint32))
   named = jnp.where(found, slot, -1) if protect else None
@@ -339,7 +345,7 @@ def test_large_evicting_batches_equal_the_reference(protect):
   table = table._upsert_rows(jnp.asarray(stored), [jnp.zeros(4096, jnp.float32)], None, Upsert.INSERT)[0]
   words = jnp.asarray(np.concatenate([stored[:1000], rng.integers(0, 2**32, (3000, 2), dtype=np.uint32)]))
   found, slot = _locate(table, words, True)
-  scores = jnp.asarray(rng.integers(0, 100, table.num_slots, dtype=np.uint32))
+  scores = _free_score_highest(table, rng.integers(0, 100, table.num_slots, dtype=np.uint32))
   new_score = jnp.asarray(rng.integers(0, 120, words.shape[0], dtype=np.uint32))
   named = jnp.where(found, slot, -1) if protect else None
   args = (table.layout, table.buckets.reshape(-1), scores, words, ~found, new_score, named)

@@ -58,8 +58,9 @@ class CatchUpAdam:
     learning_rate: a positive float, or a schedule ``step -> float``
       (called with the number of steps before this one, as optax's
       schedules; the idle steps use the rate of the step that catches them up).
-    b1, b2: the decay rates of the moments, ``0 <= b1 < sqrt(b2)``, ``b2 < 1``
-      (so that the idle steps' movement converges).
+    b1: the decay rate of the first moment, ``0 <= b1 < sqrt(b2)`` (so that
+      the idle steps' movement converges).
+    b2: the decay rate of the second moment, below 1.
     eps: added to the root of the second moment.
 
   Examples:

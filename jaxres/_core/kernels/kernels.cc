@@ -1071,26 +1071,6 @@ ffi::Error GroupSums(ffi::Buffer<ffi::S32> group, ffi::AnyBuffer x, ffi::ResultB
 }
 
 // A set of slot numbers (non-negative int32), sized for `capacity` of them.
-class SlotSet {
- public:
-  explicit SlotSet(int64_t capacity) : cells_(int64_t{1} << std::max(1, BitLength(2 * capacity + 1)), -1) {}
-  void insert(int32_t slot) {
-    if (slot < 0) return;
-    int64_t c = find(slot);
-    cells_[c] = slot;
-  }
-  bool contains(int32_t slot) const { return cells_[find(slot)] == slot; }
-
- private:
-  int64_t find(int32_t slot) const {  // the cell holding `slot`, or the empty one it would take
-    const int64_t wrap = cells_.size() - 1;
-    int64_t c = (static_cast<uint32_t>(slot) * kGoldenMix) & wrap;
-    while (cells_[c] >= 0 && cells_[c] != slot) c = (c + 1) & wrap;
-    return c;
-  }
-  std::vector<int32_t> cells_;
-};
-
 // Slots mapped to int32 values (-1: none), for up to `capacity` slots: a batch's, never a table's.
 class SlotMap {
  public:
@@ -1160,8 +1140,10 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
     std::fill(victim_words, victim_words + n * W, 0u);
     std::fill(victim_score, victim_score + n, 0u);
     const int64_t num_named = protect ? named.element_count() : 0;
-    SlotSet taken(num_named);  // the slots a row may not evict: named by the call
-    for (int64_t k = 0; k < num_named; ++k) taken.insert(named.typed_data()[k]);
+    SlotMap taken(num_named);  // the slots a row may not evict: named by the call (value 0)
+    for (int64_t k = 0; k < num_named; ++k) {
+      if (named.typed_data()[k] >= 0) taken.set(named.typed_data()[k], 0);
+    }
     SlotMap newcomer(n);  // the row whose key a slot holds, for keys this call placed
     std::vector<char> pending(n);
     std::vector<int64_t> home(n), second(n);
@@ -1170,7 +1152,10 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
       pending[i] = pending_in.typed_data()[i];
       if (pending[i]) {
         home[i] = t.home(words + i * W);
-        second[i] = t.by_buckets.mod(HashWords(words + i * W, W, kEvictionSeed));
+        // Past the first window, at an independent hash (eviction_rounds.windows).
+        const uint32_t past = HashWords(words + i * W, W, kEvictionSeed) % static_cast<uint32_t>(
+                                  std::max<int64_t>(1, t.num_buckets - window));
+        second[i] = t.num_buckets > window ? (home[i] + window + past) % t.num_buckets : home[i];
         lane[i] = (HashWords(words + i * W, W, kLaneSeed) * kGoldenMix) >> 16;
       }
     }
@@ -1217,7 +1202,7 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
           // Scores alone: a free slot scores UINT32_MAX (the table keeps it so), never lower.
           const uint32_t* bucket_scores = scores + b * size;
           for (int64_t s = 0; s < size; ++s) {
-            if (bucket_scores[s] < best && !(protect && taken.contains(static_cast<int32_t>(b * size + s)))) {
+            if (bucket_scores[s] < best && !(protect && taken.get(static_cast<int32_t>(b * size + s)) >= 0)) {
               best = bucket_scores[s];
               choice = b * size + s;
             }

@@ -3,7 +3,8 @@
 A new key's candidates are the occupied slots of two windows of ``window``
 buckets each: the first starts at its home bucket, the second at a bucket
 chosen by an independent hash of the key (``EVICTION_SEED``), so two keys that
-share a home rarely share both windows. Entries the call names are not
+share a home rarely share both windows (it starts past the first: in a table
+of few buckets the two cover different ones). Entries the call names are not
 candidates; entries it placed are, so that the keys of one batch compete by
 score as entries of the table do (a key placed, then evicted by a later key of
 the same call, is *displaced*: reported by the key that evicted it, with the
@@ -113,12 +114,19 @@ def evict(
 
 
 def windows(layout: Layout, words: jax.Array, window: int) -> jax.Array:
-  """int32[N, 2 * window]: the buckets of each key row's two windows, in the order candidates rank."""
-  second = (hash_words(words, seed=constants.EVICTION_SEED) % jnp.uint32(layout.num_buckets)).astype(
-    jnp.int32
-  )
+  """int32[N, 2 * window]: the buckets of each key row's two windows, in the order candidates rank.
+
+  The second starts at one of the buckets past the first window, picked by an independent
+  hash: in a table of few buckets, the two windows still cover different ones.
+  """
+  home, nb = layout.home(words), layout.num_buckets
+  if nb > window:
+    past = hash_words(words, seed=constants.EVICTION_SEED) % jnp.uint32(nb - window)
+    second = (home + window + past.astype(jnp.int32)) % nb
+  else:
+    second = home
   steps = jnp.arange(window, dtype=jnp.int32)
-  starts = jnp.stack([layout.home(words), second], axis=1)
+  starts = jnp.stack([home, second], axis=1)
   return ((starts[:, :, None] + steps) % layout.num_buckets).reshape(words.shape[0], 2 * window)
 
 
@@ -137,10 +145,10 @@ def _evict_reference(layout, flat, scores, words, pending, new_score, named, win
     records = layout.records(flat, bucket)  # [R, 2 * window, record]: one gather
     candidate = (bucket[:, :, None] * size + jnp.arange(size, dtype=jnp.int32)).reshape(rows.shape[0], -1)
     occupied = layout.occupancy(records[..., layout.mask_column]).reshape(rows.shape[0], -1)
-    eligible = occupied if taken is None else occupied & ~_among(candidate, taken)
-    candidate_score = jnp.where(
-      eligible, layout.bucket_rows(scores, bucket).reshape(rows.shape[0], -1), _NO_SCORE
-    )
+    # Scores alone decide: a free slot scores _NO_SCORE (the table keeps it so), never lower.
+    candidate_score = layout.bucket_rows(scores, bucket).reshape(rows.shape[0], -1)
+    if taken is not None:
+      candidate_score = jnp.where(_among(candidate, taken), _NO_SCORE, candidate_score)
     choice = jnp.argmin(candidate_score, axis=-1)  # the first minimum
 
     def chosen(x, at):
