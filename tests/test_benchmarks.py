@@ -85,7 +85,7 @@ def test_benchmark_harness_runs_on_tiny_sizes():
         "--seeds",
         "1",
         "--quality-peers",
-        "jaxres,dense",
+        "jaxres",
       ],
       [
         "| 2^10 | 2^12 |",

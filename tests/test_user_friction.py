@@ -306,10 +306,17 @@ def _trained_embedding(optimizer, mesh=None, **kwargs):
   return Model()
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["table", "sharded"])
 @pytest.mark.parametrize(
-  "before, after",
-  [("adam", "sgd"), ("sgd", "adam"), ("adam", "adagrad"), ("adam", "catch_up"), ("catch_up", "adam")],
+  "before, after, sharded",
+  [
+    *[
+      (*pair, sharded)
+      for pair in [("adam", "sgd"), ("sgd", "adam"), ("adam", "adagrad")]
+      for sharded in (0, 1)
+    ],
+    ("adam", "catch_up", False),
+    ("catch_up", "adam", True),
+  ],
 )
 def test_3_an_embedding_trained_with_another_optimizer_restores_its_rows(tmp_path, sharded, before, after):
   import optax
