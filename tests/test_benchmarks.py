@@ -79,7 +79,7 @@ def test_benchmark_harness_runs_on_tiny_sizes():
         "--steps",
         "2",
         "--runs",
-        "2",
+        "1",
         "--peers",
         "jaxres,xla,torch-sparse-adam",
         "--seeds",

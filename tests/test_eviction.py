@@ -100,6 +100,12 @@ class Oracle:
     self.evictions += len(ev_keys)
 
 
+def _assert_floors_exact(storage):
+  """Every bucket's floor is the lowest of its slots' scores (what eviction reads instead of them)."""
+  scores, floors = np.asarray(storage.slot_scores), np.asarray(storage.bucket_floors)
+  np.testing.assert_array_equal(scores.reshape(*floors.shape, -1).min(axis=-1), floors)
+
+
 def machine_for(policy, sharded=False, max_examples=10):
   capacity = 8 if sharded else CAPACITY  # sharded: 4 shards of 2 entries, each evicting on its own
 
@@ -183,6 +189,8 @@ def machine_for(policy, sharded=False, max_examples=10):
       keys = np.array([*sorted(self.oracle.data), POOL[0] + 1], np.int64)  # and one missing key
       want = [self.oracle.scores[k] for k in keys[:-1].tolist()] + [0]
       assert self.table.scores(keys).tolist() == want
+      storage = self.table.shards if sharded else self.table
+      _assert_floors_exact(storage)
 
   EvictionMachine.TestCase.settings = settings(
     max_examples=max_examples, stateful_step_count=20, deadline=None, suppress_health_check=list(HealthCheck)

@@ -1104,10 +1104,14 @@ class SlotMap {
 // is there); rows whose victim is lower than their own score claim it, then the
 // winners claim their slots (scratch cells, as claims.lowest_writer); the rows
 // that won both evict their victims and take their rows and the slots. A victim
-// placed by an earlier round's row displaces that row.
-ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_in, ffi::Buffer<ffi::U32> words_in,
-                 ffi::Buffer<ffi::PRED> pending_in, ffi::Buffer<ffi::U32> new_score_in, ffi::Buffer<ffi::S32> named,
-                 ffi::ResultBuffer<ffi::U32> records_out, ffi::ResultBuffer<ffi::U32> scores_out,
+// placed by an earlier round's row displaces that row. A row finds its victim
+// through the buckets' floors (the lowest score of each, kept exact here as in
+// the table): the first bucket of lowest floor, then its first lowest slot; when
+// that entry is named by the call (protect), by a scan of every candidate.
+ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_in, ffi::Buffer<ffi::U32> floors_in,
+                 ffi::Buffer<ffi::U32> words_in, ffi::Buffer<ffi::PRED> pending_in, ffi::Buffer<ffi::U32> new_score_in,
+                 ffi::Buffer<ffi::S32> named, ffi::ResultBuffer<ffi::U32> records_out,
+                 ffi::ResultBuffer<ffi::U32> scores_out, ffi::ResultBuffer<ffi::U32> floors_out,
                  ffi::ResultBuffer<ffi::S32> slot_out, ffi::ResultBuffer<ffi::PRED> placed_out,
                  ffi::ResultBuffer<ffi::PRED> refused_out, ffi::ResultBuffer<ffi::PRED> displaced_out,
                  ffi::ResultBuffer<ffi::S32> victim_batch_out, ffi::ResultBuffer<ffi::S32> victim_slot_out,
@@ -1117,6 +1121,8 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
   if (records != records_in.typed_data()) std::memcpy(records, records_in.typed_data(), records_in.size_bytes());
   uint32_t* scores = scores_out->typed_data();
   if (scores != scores_in.typed_data()) std::memcpy(scores, scores_in.typed_data(), scores_in.size_bytes());
+  uint32_t* floors = floors_out->typed_data();
+  if (floors != floors_in.typed_data()) std::memcpy(floors, floors_in.typed_data(), floors_in.size_bytes());
   return WithBuckets(records, records_in.dimensions(), bucket_size, words_in.dimensions()[1], [&](const auto& t) {
     const int64_t n = words_in.dimensions()[0], W = t.num_words, size = t.bucket_size;
     const uint32_t* words = words_in.typed_data();
@@ -1160,19 +1166,30 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
       }
     }
     const uint32_t all_slots = size >= 32 ? UINT32_MAX : (1u << size) - 1u;
-    // The lines a row reads: its home record and the scores of its windows.
+    // Bucket w of row i's windows, in the order candidates rank.
+    const auto bucket_at = [&](int64_t i, int64_t w) {
+      const int64_t b = (w < window ? home[i] : second[i]) + (w % window);
+      return b >= t.num_buckets ? b % t.num_buckets : b;
+    };
+    const auto floor_of = [&](int64_t b) {
+      const uint32_t* s = scores + b * size;
+      uint32_t lowest = s[0];
+      for (int64_t k = 1; k < size; ++k) lowest = std::min(lowest, s[k]);
+      return lowest;
+    };
+    // The lines a row reads first: its home record and the floors of its windows.
     const auto fetch = [&](int64_t i) {
       t.prefetch(home[i]);
       for (int64_t w = 0; w < 2 * window; ++w) {
-        int64_t b = (w < window ? home[i] : second[i]) + (w % window);
-        if (b >= t.num_buckets) b %= t.num_buckets;
-        if (w % window == 0 || (b * size) % 16 == 0) __builtin_prefetch(scores + b * size);
+        const int64_t b = bucket_at(i, w);
+        if (w % window == 0 || b % 16 == 0) __builtin_prefetch(floors + b);
       }
     };
-    std::vector<int64_t> rows, cells;
+    std::vector<int64_t> rows, cells, lowest_bucket;
     std::vector<int32_t> victim, target, scratch, writer, taker;
     std::vector<uint32_t> lowest;
     std::vector<char> can, won;
+    constexpr int64_t kRowsAhead = 12;  // rows whose lines are fetched ahead (measured: 3 leaves misses exposed)
     for (int32_t rounds = 0; std::any_of(pending.begin(), pending.end(), [](char p) { return p; }); ++rounds) {
       // This round's rows: the lowest pending ones, up to half the batch first, then a chunk.
       const int64_t m = rounds == 0 ? std::max<int64_t>(1, n / 2) : ChunkSize(n);
@@ -1184,31 +1201,58 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
       victim.assign(m, 0);
       target.assign(m, -1);
       lowest.assign(m, UINT32_MAX);
+      lowest_bucket.assign(m, 0);
       can.assign(m, 0);
-      constexpr int64_t kRowsAhead = 3;
       for (int64_t p = 0; p < std::min<int64_t>(kRowsAhead, live); ++p) fetch(rows[p]);
+      // Each row's bucket of the lowest floor (the first), its scores and record fetched.
       for (int64_t p = 0; p < live; ++p) {
         const int64_t i = rows[p];
         if (p + kRowsAhead < live) fetch(rows[p + kRowsAhead]);
         uint32_t best = UINT32_MAX;
-        int64_t choice = 0, first_free = -1;  // the first minimum, as argmin; the slot to take
+        int64_t at = home[i];  // every floor free: as argmin, the first
         for (int64_t w = 0; w < 2 * window; ++w) {
-          int64_t b = (w < window ? home[i] : second[i]) + (w % window);
-          if (b >= t.num_buckets) b %= t.num_buckets;
-          if (w < window && first_free < 0) {  // the first bucket with room: the lane's free slot
-            const uint32_t free = ~t.mask(b) & all_slots;
-            if (free) first_free = b * size + NthSetBit(free, lane[i] % static_cast<uint32_t>(BitCount(free)));
+          const int64_t b = bucket_at(i, w);
+          if (floors[b] < best) {
+            best = floors[b];
+            at = b;
           }
-          // Scores alone: a free slot scores UINT32_MAX (the table keeps it so), never lower.
-          const uint32_t* bucket_scores = scores + b * size;
-          for (int64_t s = 0; s < size; ++s) {
-            if (bucket_scores[s] < best && !(protect && taken.get(static_cast<int32_t>(b * size + s)) >= 0)) {
-              best = bucket_scores[s];
-              choice = b * size + s;
+        }
+        lowest_bucket[p] = at;
+        __builtin_prefetch(scores + at * size);
+        t.prefetch(at);
+      }
+      for (int64_t p = 0; p < live; ++p) {
+        const int64_t i = rows[p];
+        uint32_t best = UINT32_MAX;
+        int64_t choice = home[i] * size;  // the first minimum, as argmin (all free: the first)
+        const int64_t b = lowest_bucket[p];
+        for (int64_t s = 0; s < size; ++s) {
+          if (scores[b * size + s] < best) {
+            best = scores[b * size + s];
+            choice = b * size + s;
+          }
+        }
+        // The first lowest entry is named by the call (rare): the first lowest of the others.
+        if (protect && best != UINT32_MAX && taken.get(static_cast<int32_t>(choice)) >= 0) {
+          best = UINT32_MAX;
+          for (int64_t w = 0; w < 2 * window; ++w) {
+            const int64_t b = bucket_at(i, w);
+            for (int64_t s = 0; s < size; ++s) {
+              if (scores[b * size + s] < best && taken.get(static_cast<int32_t>(b * size + s)) < 0) {
+                best = scores[b * size + s];
+                choice = b * size + s;
+              }
             }
           }
         }
-        if (best == UINT32_MAX) choice = home[i] * size;  // as argmin over all-equal scores: the first
+        if (best == UINT32_MAX) choice = home[i] * size;
+        // The slot to take: the lane's free slot in the first bucket of the first window with room.
+        int64_t first_free = -1;
+        for (int64_t w = 0; w < window && first_free < 0; ++w) {
+          const int64_t b = bucket_at(i, w);
+          const uint32_t free = ~t.mask(b) & all_slots;
+          if (free) first_free = b * size + NthSetBit(free, lane[i] % static_cast<uint32_t>(BitCount(free)));
+        }
         victim[p] = static_cast<int32_t>(choice);
         lowest[p] = best;
         const bool in_first = t.distance(home[i], t.bucket_of(choice)) < window;
@@ -1245,6 +1289,8 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
         for (int64_t r = 0, h = home[i], d = t.distance(h, tb); r < d; ++r, h = t.next(h)) t.overflow(h) += 1u;
         scores[v] = UINT32_MAX;  // free
         scores[to] = new_score[i];
+        floors[vb] = floor_of(vb);
+        floors[tb] = floor_of(tb);
         const int32_t before = newcomer.get(v);
         if (before >= 0) {  // a key this call placed: displaced
           placed[before] = false;
@@ -1327,9 +1373,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresEvict, Evict,
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()

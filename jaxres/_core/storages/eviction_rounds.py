@@ -22,6 +22,14 @@ it goes to the lowest batch row (an integer scatter-min claim, deterministic
 on every backend) and the others choose again in the next round, seeing what
 the winners did. Work per round is O(rows x window x bucket_size). On CPU a
 kernel (``jaxres_evict``) runs the same rounds one row at a time.
+
+Each bucket's lowest score, its *floor*, is kept beside the scores
+(``floors``, one ``uint32`` per bucket; the table keeps it exact on every
+write of a score), so a key finds its victim by reading the floors of its
+windows, then the scores of the one bucket that holds their lowest: the
+same entry as a scan of every candidate, at a cost that hardly grows with
+``window``. With entries the call names protected by position rather than
+by score (``named``), every candidate is scanned.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ class Outcome(NamedTuple):
 
   flat: jax.Array | None  # the bucket records, updated
   scores: jax.Array | None  # the per-slot scores, updated
+  floors: jax.Array | None  # the per-bucket lowest scores, updated
   slot: jax.Array  # int32[N]: where a placed row's key now lives
   placed: jax.Array  # bool[N]: the row's key evicted an entry and took its value row (and stayed)
   refused: jax.Array  # bool[N]: the row's key was refused
@@ -61,6 +70,7 @@ def evict(
   layout: Layout,
   flat: jax.Array,
   scores: jax.Array,
+  floors: jax.Array,
   words: jax.Array,
   pending: jax.Array,
   new_score: jax.Array,
@@ -72,6 +82,7 @@ def evict(
   Args:
     layout: the bucket array's layout; ``flat`` its records, flattened.
     scores: uint32[num_slots], the score of each slot's entry.
+    floors: uint32[num_buckets], the lowest of each bucket's scores.
     words: uint32[N, W] key rows.
     pending: bool[N], one row per new key that must evict to enter.
     new_score: uint32[N], each row's key's score.
@@ -85,26 +96,35 @@ def evict(
   results = (
     jax.ShapeDtypeStruct(records.shape, jnp.uint32),
     jax.ShapeDtypeStruct(scores.shape, jnp.uint32),
+    jax.ShapeDtypeStruct(floors.shape, jnp.uint32),
     *[jax.ShapeDtypeStruct((n,), t) for t in (jnp.int32, bool, bool, bool, jnp.int32, jnp.int32, jnp.int32)],
     jax.ShapeDtypeStruct(words.shape, jnp.uint32),
     jax.ShapeDtypeStruct((n,), jnp.uint32),
   )
 
-  def reference(records, scores, words, pending, new_score, named):
+  def reference(records, scores, floors, words, pending, new_score, named):
     outcome = _evict_reference(
-      layout, records.reshape(-1), scores, words, pending, new_score, named if protect else None, window
+      layout,
+      records.reshape(-1),
+      scores,
+      floors,
+      words,
+      pending,
+      new_score,
+      named if protect else None,
+      window,
     )
     return tuple(outcome._replace(flat=outcome.flat.reshape(records.shape)))
 
   named = named if protect else jnp.zeros((0,), jnp.int32)
-  args = (records, scores, words, pending, new_score, named)
+  args = (records, scores, floors, words, pending, new_score, named)
   outcome = Outcome(
     *native.on_cpu(
       "jaxres_evict",
       reference,
       results,
       *args,
-      aliases={0: 0, 1: 1},
+      aliases={0: 0, 1: 1, 2: 2},
       bucket_size=layout.bucket_size,
       window=window,
       protect=protect,
@@ -130,35 +150,52 @@ def windows(layout: Layout, words: jax.Array, window: int) -> jax.Array:
   return ((starts[:, :, None] + steps) % layout.num_buckets).reshape(words.shape[0], 2 * window)
 
 
-def _evict_reference(layout, flat, scores, words, pending, new_score, named, window) -> Outcome:
+def floors_of(layout: Layout, scores: jax.Array) -> jax.Array:
+  """uint32[num_buckets]: the lowest score of each bucket (a whole pass: for checks, not calls)."""
+  return jnp.min(scores.reshape(layout.num_buckets, layout.bucket_size), axis=-1)
+
+
+def refresh_floors(layout: Layout, scores: jax.Array, floors: jax.Array, bucket, mask) -> jax.Array:
+  """``floors`` with those of ``bucket`` (where ``mask``) recomputed from ``scores``: O(batch).
+
+  Rows naming one bucket write the same value, so the scatter is deterministic.
+  """
+  lowest = jnp.min(layout.bucket_rows(scores, jnp.clip(bucket, 0, layout.num_buckets - 1)), axis=-1)
+  return floors.at[jnp.where(mask, bucket, floors.shape[0])].set(lowest, mode="drop")
+
+
+def _evict_reference(layout, flat, scores, floors, words, pending, new_score, named, window) -> Outcome:
   """:func:`evict` in data-parallel rounds: the GPU/TPU path and the kernel's reference."""
   n, size = words.shape[0], layout.bucket_size
   taken = None if named is None else jnp.sort(named)
 
   def round_(state, rows, target):
-    rounds, flat, scores, out, pending = state
+    rounds, flat, scores, floors, out, pending = state
     position = jnp.arange(rows.shape[0], dtype=jnp.int32)
     active = pending[rows] & (target < n)
     row_words = words[rows]
     home = layout.home(row_words)
     bucket = windows(layout, row_words, window)  # [R, 2 * window]
-    records = layout.records(flat, bucket)  # [R, 2 * window, record]: one gather
-    candidate = (bucket[:, :, None] * size + jnp.arange(size, dtype=jnp.int32)).reshape(rows.shape[0], -1)
-    occupied = layout.occupancy(records[..., layout.mask_column]).reshape(rows.shape[0], -1)
-    # Scores alone decide: a free slot scores _NO_SCORE (the table keeps it so), never lower.
-    candidate_score = layout.bucket_rows(scores, bucket).reshape(rows.shape[0], -1)
-    if taken is not None:
-      candidate_score = jnp.where(_among(candidate, taken), _NO_SCORE, candidate_score)
-    choice = jnp.argmin(candidate_score, axis=-1)  # the first minimum
 
     def chosen(x, at):
       return jnp.take_along_axis(x, at.reshape(-1, *[1] * (x.ndim - 1)), axis=1)[:, 0]
 
-    victim, victim_score = chosen(candidate, choice), chosen(candidate_score, choice)
+    # Scores alone decide: a free slot scores _NO_SCORE (the table keeps it so), never lower.
+    if taken is None:  # the first bucket holding the lowest floor, then its first lowest slot
+      victim_bucket = chosen(bucket, jnp.argmin(floors[bucket], axis=-1))
+      bucket_scores = layout.bucket_rows(scores, victim_bucket)  # [R, size]
+      offset = jnp.argmin(bucket_scores, axis=-1)
+      victim, victim_score = victim_bucket * size + offset.astype(jnp.int32), chosen(bucket_scores, offset)
+    else:  # named entries are protected by position: every candidate is read
+      candidate = (bucket[:, :, None] * size + jnp.arange(size, dtype=jnp.int32)).reshape(rows.shape[0], -1)
+      candidate_score = layout.bucket_rows(scores, bucket).reshape(rows.shape[0], -1)
+      candidate_score = jnp.where(_among(candidate, taken), _NO_SCORE, candidate_score)
+      choice = jnp.argmin(candidate_score, axis=-1)  # the first minimum
+      victim, victim_score = chosen(candidate, choice), chosen(candidate_score, choice)
     # Where the key goes: the first bucket of its first window with a free slot, the free slot its
     # lane picks there (as placing.py: keys sharing the bucket rarely pick the same slot); else
     # the victim's slot if it is in that window.
-    free = ~occupied[:, : window * size].reshape(rows.shape[0], window, size)
+    free = ~layout.occupancy(flat[layout.column(bucket[:, :window], layout.mask_column)])  # [R, window, size]
     room = jnp.any(free, axis=-1)
     first = jnp.argmax(room, axis=-1)
     free = chosen(free, first)  # [R, size]
@@ -179,8 +216,7 @@ def _evict_reference(layout, flat, scores, words, pending, new_score, named, win
     by_slot = jnp.argsort(placed_slots).astype(jnp.int32)
     at = jnp.clip(jnp.searchsorted(placed_slots[by_slot], victim), 0, n - 1)
     before = jnp.where(won & (placed_slots[by_slot[at]] == victim), by_slot[at], -1)
-    victim_keys = layout.keys_of(records).reshape(rows.shape[0], -1, layout.num_words)
-    victim_words = chosen(victim_keys, choice)
+    victim_words = chosen(layout.keys_of(layout.records(flat, victim // size)), victim % size)
     victim_row = layout.row_of(flat, victim)
     flat = layout.unset(flat, victim, won)
     flat = layout.shift_overflow(flat, layout.home(victim_words), victim, won, -1)
@@ -191,6 +227,8 @@ def _evict_reference(layout, flat, scores, words, pending, new_score, named, win
     flat = layout.shift_overflow(flat, home, slot, won, +1)
     scores = scores.at[jnp.where(won, victim, scores.shape[0])].set(_NO_SCORE, mode="drop")  # freed
     scores = scores.at[jnp.where(won, slot, scores.shape[0])].set(new_score[rows], mode="drop")
+    changed = jnp.concatenate([victim, slot]) // size
+    floors = refresh_floors(layout, scores, floors, changed, jnp.concatenate([won, won]))
 
     def put(field, value, mask):
       return field.at[jnp.where(mask, target, n)].set(value, mode="drop")
@@ -208,15 +246,16 @@ def _evict_reference(layout, flat, scores, words, pending, new_score, named, win
       victim_words=put(out.victim_words, victim_words, won),
       victim_score=put(out.victim_score, victim_score, won),
     )
-    return rounds + 1, flat, scores, out, pending.at[target].set(can & ~won, mode="drop")
+    return rounds + 1, flat, scores, floors, out, pending.at[target].set(can & ~won, mode="drop")
 
   def later_round(state):
     return round_(state, *claims.pending_rows(state[-1], claims.chunk_size(n)))
 
   index = jnp.arange(n, dtype=jnp.int32)
-  out = Outcome(  # the records and scores travel in the loop state, not twice
+  out = Outcome(  # the records, scores and floors travel in the loop state, not twice
     flat=None,
     scores=None,
+    floors=None,
     slot=index * 0,
     placed=jnp.zeros(n, bool),
     refused=jnp.zeros(n, bool),
@@ -228,9 +267,11 @@ def _evict_reference(layout, flat, scores, words, pending, new_score, named, win
     victim_score=jnp.zeros(n, jnp.uint32),
   )
   # The first round takes up to half the batch (the new keys of a typical call), lowest rows first.
-  state = round_((jnp.int32(0), flat, scores, out, pending), *claims.pending_rows(pending, max(1, n // 2)))
-  _, flat, scores, out, _ = lax.while_loop(lambda s: jnp.any(s[-1]), later_round, state)
-  return out._replace(flat=flat, scores=scores)
+  state = round_(
+    (jnp.int32(0), flat, scores, floors, out, pending), *claims.pending_rows(pending, max(1, n // 2))
+  )
+  _, flat, scores, floors, out, _ = lax.while_loop(lambda s: jnp.any(s[-1]), later_round, state)
+  return out._replace(flat=flat, scores=scores, floors=floors)
 
 
 def _among(candidate: jax.Array, taken: jax.Array) -> jax.Array:

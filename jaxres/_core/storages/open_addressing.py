@@ -71,6 +71,7 @@ class OpenAddressingTable(Storage):
   free_rows: jax.Array  # int32[capacity]: free_rows[size:] are the rows no entry holds
   default: tuple  # leaves [*storage_shape]
   slot_scores: jax.Array  # uint32[num_buckets * bucket_size] with an eviction policy, else uint32[0]
+  bucket_floors: jax.Array  # uint32[num_buckets] with an eviction policy: each bucket's lowest score
   row_stamps: jax.Array  # uint32[capacity]: the clock when each row's entry last changed
   version: jax.Array  # uint32: calls that changed the table so far (see Storage)
   size: jax.Array  # shape=(), dtype=int32
@@ -190,8 +191,7 @@ class OpenAddressingTable(Storage):
     table = dataclasses.replace(self, buckets=flat.reshape(self.buckets.shape))
     table = table._write(slots, leaves, valid)
     if given_scores is not None:
-      scores = self.slot_scores.at[jnp.where(valid, slots, layout.num_slots)].set(given_scores, mode="drop")
-      table = dataclasses.replace(table, slot_scores=scores)
+      table = table._set_scores(slots, given_scores, valid)
     return dataclasses.replace(table, size=jnp.sum(valid, dtype=jnp.int32))
 
   def _row_of(self, slot):
@@ -407,14 +407,13 @@ class OpenAddressingTable(Storage):
     old = None if given_scores is not None else jnp.where(found, self.slot_scores[slot], jnp.uint32(0))
     score = self._policy_scores(named, first, last, old, given_scores, weights)
     heads = named & (first == index)
-    scores = self.slot_scores.at[jnp.where(stored & heads, slot, self.slot_scores.shape[0])].set(
-      score, mode="drop"
-    )
+    scored = self._set_scores(slot, score, stored & heads)
     protect = None if self.eviction.names_newest and given_scores is None else jnp.where(stored, slot, -1)
     outcome = eviction_rounds.evict(
       self.layout,
       self.buckets.reshape(-1),
-      scores,
+      scored.slot_scores,
+      scored.bucket_floors,
       words,
       to_evict & heads,
       score,
@@ -429,6 +428,7 @@ class OpenAddressingTable(Storage):
       self,
       buckets=outcome.flat.reshape(self.buckets.shape),
       slot_scores=outcome.scores,
+      bucket_floors=outcome.floors,
       evictions=self.evictions + jnp.sum(evicted | refused, dtype=jnp.int32),
     )
     victim_row = outcome.victim_row
@@ -446,16 +446,23 @@ class OpenAddressingTable(Storage):
     row = jnp.where(placed, victim_row[first], row)
     return table, Claim(found, admitted | placed, row, first, victims)
 
+  def _set_scores(self, slot, score, mask):
+    """As :meth:`Storage._set_scores`, the floors of the buckets written kept exact (eviction_rounds)."""
+    table = super()._set_scores(slot, score, mask)
+    if self.eviction is None:
+      return table
+    floors = eviction_rounds.refresh_floors(
+      self.layout, table.slot_scores, self.bucket_floors, slot // self.bucket_size, mask
+    )
+    return dataclasses.replace(table, bucket_floors=floors)
+
   def _release(self, words, slot, mask):
     layout = self.layout
     flat = layout.unset(self.buckets.reshape(-1), slot, mask)
     flat = layout.shift_overflow(flat, layout.home(words), slot, mask, -1)
     table = dataclasses.replace(self, buckets=flat.reshape(self.buckets.shape))
     if self.eviction is not None:  # a free slot scores the highest (see eviction_rounds)
-      drop = self.slot_scores.shape[0]
-      table = dataclasses.replace(
-        table, slot_scores=self.slot_scores.at[jnp.where(mask, slot, drop)].set(NO_SCORE, mode="drop")
-      )
+      table = table._set_scores(slot, NO_SCORE, mask)
     # The released rows go on top of the free ones, free_rows[size - released:]. Their row
     # cells are read from the updated records (unchanged): a read of the old ones would make
     # XLA copy the whole array.
@@ -535,6 +542,7 @@ def _empty(capacity, key_spec, value_spec, default, bucket_size, eviction, evict
   return OpenAddressingTable(
     buckets=jnp.zeros((layout.num_buckets, layout.record_width), jnp.uint32),
     free_rows=jnp.arange(capacity, dtype=jnp.int32),
+    bucket_floors=jnp.full((layout.num_buckets if eviction is not None else 0,), NO_SCORE, jnp.uint32),
     bucket_size=bucket_size,
     eviction_window=eviction_window,
     **empty_fields(capacity, key_spec, value_spec, default, layout.num_slots, eviction, stamps=True),

@@ -138,9 +138,14 @@ class Storage(Table):
     old = jnp.where(found, self.slot_scores[slot], jnp.uint32(0))
     score = self._policy_scores(named, first, last, old, given_scores, weights)
     heads = named & (first == jnp.arange(words.shape[0], dtype=jnp.int32))
+    return self._set_scores(slot, score, heads)._stamped(self._row_of(slot), heads)
+
+  def _set_scores(self, slot, score, mask) -> Storage:
+    """This table with ``score`` at ``slot``, where ``mask`` (distinct slots)."""
     drop = self.slot_scores.shape[0]
-    scores = self.slot_scores.at[jnp.where(heads, slot, drop)].set(score, mode="drop")
-    return dataclasses.replace(self, slot_scores=scores)._stamped(self._row_of(slot), heads)
+    return dataclasses.replace(
+      self, slot_scores=self.slot_scores.at[jnp.where(mask, slot, drop)].set(score, mode="drop")
+    )
 
   def _find_rows(self, words):
     found, slot = self._locate(words)
