@@ -153,7 +153,9 @@ class IncrementalMachine(RuleBasedStateMachine):
     self.root.step = jnp.array(self.step)
     self.manager.save(self.step, full=full)
     jr.Checkpoint(model=self.root).save(os.path.join(self.directory, "whole", str(self.step)))
-    for step in self.manager.all_steps():
+    steps = self.manager.all_steps()
+    # The newest (each step is checked when it is), and the oldest kept: later saves left it whole.
+    for step in sorted({steps[0], steps[-1]}):
       restored, reference = _root(), _root()
       jr.CheckpointManager(os.path.join(self.directory, "steps"), jr.Checkpoint(model=restored)).restore(
         step

@@ -1177,19 +1177,24 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
       for (int64_t k = 1; k < size; ++k) lowest = std::min(lowest, s[k]);
       return lowest;
     };
-    // The lines a row reads first: its home record and the floors of its windows.
+    // Floors kept (windows wider than a bucket): a row reads them, then one bucket's scores; else
+    // the scores of every candidate.
+    const bool with_floors = floors_in.element_count() > 0;
+    // The lines a row reads first: its home record and the floors (else the scores) of its windows.
+    const uint32_t* per_bucket = with_floors ? floors : scores;
+    const int64_t stride = with_floors ? 1 : size;
     const auto fetch = [&](int64_t i) {
       t.prefetch(home[i]);
       for (int64_t w = 0; w < 2 * window; ++w) {
         const int64_t b = bucket_at(i, w);
-        if (w % window == 0 || b % 16 == 0) __builtin_prefetch(floors + b);
+        if (w % window == 0 || (b * stride) % 16 == 0) __builtin_prefetch(per_bucket + b * stride);
       }
     };
     std::vector<int64_t> rows, cells, lowest_bucket;
     std::vector<int32_t> victim, target, scratch, writer, taker;
     std::vector<uint32_t> lowest;
     std::vector<char> can, won;
-    constexpr int64_t kRowsAhead = 12;  // rows whose lines are fetched ahead (measured: 3 leaves misses exposed)
+    constexpr int64_t kRowsAhead = 12;  // rows whose lines are fetched ahead (measured: 3 leaves misses exposed)  // rows whose lines are fetched ahead (measured: 3 leaves misses exposed)
     for (int32_t rounds = 0; std::any_of(pending.begin(), pending.end(), [](char p) { return p; }); ++rounds) {
       // This round's rows: the lowest pending ones, up to half the batch first, then a chunk.
       const int64_t m = rounds == 0 ? std::max<int64_t>(1, n / 2) : ChunkSize(n);
@@ -1205,7 +1210,7 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
       can.assign(m, 0);
       for (int64_t p = 0; p < std::min<int64_t>(kRowsAhead, live); ++p) fetch(rows[p]);
       // Each row's bucket of the lowest floor (the first), its scores and record fetched.
-      for (int64_t p = 0; p < live; ++p) {
+      for (int64_t p = 0; p < live && with_floors; ++p) {
         const int64_t i = rows[p];
         if (p + kRowsAhead < live) fetch(rows[p + kRowsAhead]);
         uint32_t best = UINT32_MAX;
@@ -1225,20 +1230,24 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
         const int64_t i = rows[p];
         uint32_t best = UINT32_MAX;
         int64_t choice = home[i] * size;  // the first minimum, as argmin (all free: the first)
-        const int64_t b = lowest_bucket[p];
-        for (int64_t s = 0; s < size; ++s) {
-          if (scores[b * size + s] < best) {
-            best = scores[b * size + s];
-            choice = b * size + s;
+        if (with_floors) {
+          const int64_t b = lowest_bucket[p];
+          for (int64_t s = 0; s < size; ++s) {
+            if (scores[b * size + s] < best) {
+              best = scores[b * size + s];
+              choice = b * size + s;
+            }
           }
+        } else if (p + kRowsAhead < live) {
+          fetch(rows[p + kRowsAhead]);
         }
-        // The first lowest entry is named by the call (rare): the first lowest of the others.
-        if (protect && best != UINT32_MAX && taken.get(static_cast<int32_t>(choice)) >= 0) {
+        // No floors, or the first lowest entry is named by the call: the first lowest of the others.
+        if (!with_floors || (protect && best != UINT32_MAX && taken.get(static_cast<int32_t>(choice)) >= 0)) {
           best = UINT32_MAX;
           for (int64_t w = 0; w < 2 * window; ++w) {
             const int64_t b = bucket_at(i, w);
             for (int64_t s = 0; s < size; ++s) {
-              if (scores[b * size + s] < best && taken.get(static_cast<int32_t>(b * size + s)) < 0) {
+              if (scores[b * size + s] < best && !(protect && taken.get(static_cast<int32_t>(b * size + s)) >= 0)) {
                 best = scores[b * size + s];
                 choice = b * size + s;
               }
@@ -1289,8 +1298,10 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
         for (int64_t r = 0, h = home[i], d = t.distance(h, tb); r < d; ++r, h = t.next(h)) t.overflow(h) += 1u;
         scores[v] = UINT32_MAX;  // free
         scores[to] = new_score[i];
-        floors[vb] = floor_of(vb);
-        floors[tb] = floor_of(tb);
+        if (with_floors) {
+          floors[vb] = floor_of(vb);
+          floors[tb] = floor_of(tb);
+        }
         const int32_t before = newcomer.get(v);
         if (before >= 0) {  // a key this call placed: displaced
           placed[before] = false;

@@ -20,16 +20,18 @@ if the victim is in that window (else it is refused).
 Keys choose in parallel. When several choose one victim (or one free slot),
 it goes to the lowest batch row (an integer scatter-min claim, deterministic
 on every backend) and the others choose again in the next round, seeing what
-the winners did. Work per round is O(rows x window x bucket_size). On CPU a
+the winners did. Work per round is O(rows x (window + bucket_size)). On CPU a
 kernel (``jaxres_evict``) runs the same rounds one row at a time.
 
-Each bucket's lowest score, its *floor*, is kept beside the scores
-(``floors``, one ``uint32`` per bucket; the table keeps it exact on every
-write of a score), so a key finds its victim by reading the floors of its
-windows, then the scores of the one bucket that holds their lowest: the
-same entry as a scan of every candidate, at a cost that hardly grows with
-``window``. With entries the call names protected by position rather than
-by score (``named``), every candidate is scanned.
+With windows wider than one bucket, each bucket's lowest score, its
+*floor*, is kept beside the scores (``floors``, one ``uint32`` per bucket,
+half a byte per slot; the table keeps it exact on every write of a score),
+so a key finds its victim by reading the floors of its windows, then the
+scores of the one bucket that holds their lowest: the same entry as a scan of
+every candidate, at a cost that grows slowly with ``window``. If that entry
+is one the call names (protected by position rather than by score), or
+without floors (``uint32[0]``: one-bucket windows, whose two buckets' scores
+are read directly), every candidate is scanned.
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ def evict(
   Args:
     layout: the bucket array's layout; ``flat`` its records, flattened.
     scores: uint32[num_slots], the score of each slot's entry.
-    floors: uint32[num_buckets], the lowest of each bucket's scores.
+    floors: uint32[num_buckets], the lowest of each bucket's scores, or
+      uint32[0] (none kept: every candidate is scanned).
     words: uint32[N, W] key rows.
     pending: bool[N], one row per new key that must evict to enter.
     new_score: uint32[N], each row's key's score.
@@ -181,15 +184,16 @@ def _evict_reference(layout, flat, scores, floors, words, pending, new_score, na
       return jnp.take_along_axis(x, at.reshape(-1, *[1] * (x.ndim - 1)), axis=1)[:, 0]
 
     # Scores alone decide: a free slot scores _NO_SCORE (the table keeps it so), never lower.
-    if taken is None:  # the first bucket holding the lowest floor, then its first lowest slot
+    if taken is None and floors.shape[0]:  # the first bucket of lowest floor, then its first lowest slot
       victim_bucket = chosen(bucket, jnp.argmin(floors[bucket], axis=-1))
       bucket_scores = layout.bucket_rows(scores, victim_bucket)  # [R, size]
       offset = jnp.argmin(bucket_scores, axis=-1)
       victim, victim_score = victim_bucket * size + offset.astype(jnp.int32), chosen(bucket_scores, offset)
-    else:  # named entries are protected by position: every candidate is read
+    else:  # every candidate is read (named entries protected by position)
       candidate = (bucket[:, :, None] * size + jnp.arange(size, dtype=jnp.int32)).reshape(rows.shape[0], -1)
       candidate_score = layout.bucket_rows(scores, bucket).reshape(rows.shape[0], -1)
-      candidate_score = jnp.where(_among(candidate, taken), _NO_SCORE, candidate_score)
+      if taken is not None:
+        candidate_score = jnp.where(_among(candidate, taken), _NO_SCORE, candidate_score)
       choice = jnp.argmin(candidate_score, axis=-1)  # the first minimum
       victim, victim_score = chosen(candidate, choice), chosen(candidate_score, choice)
     # Where the key goes: the first bucket of its first window with a free slot, the free slot its
@@ -227,8 +231,9 @@ def _evict_reference(layout, flat, scores, floors, words, pending, new_score, na
     flat = layout.shift_overflow(flat, home, slot, won, +1)
     scores = scores.at[jnp.where(won, victim, scores.shape[0])].set(_NO_SCORE, mode="drop")  # freed
     scores = scores.at[jnp.where(won, slot, scores.shape[0])].set(new_score[rows], mode="drop")
-    changed = jnp.concatenate([victim, slot]) // size
-    floors = refresh_floors(layout, scores, floors, changed, jnp.concatenate([won, won]))
+    if floors.shape[0]:
+      changed = jnp.concatenate([victim, slot]) // size
+      floors = refresh_floors(layout, scores, floors, changed, jnp.concatenate([won, won]))
 
     def put(field, value, mask):
       return field.at[jnp.where(mask, target, n)].set(value, mode="drop")

@@ -71,7 +71,7 @@ class OpenAddressingTable(Storage):
   free_rows: jax.Array  # int32[capacity]: free_rows[size:] are the rows no entry holds
   default: tuple  # leaves [*storage_shape]
   slot_scores: jax.Array  # uint32[num_buckets * bucket_size] with an eviction policy, else uint32[0]
-  bucket_floors: jax.Array  # uint32[num_buckets] with an eviction policy: each bucket's lowest score
+  bucket_floors: jax.Array  # uint32[num_buckets] with eviction_window > 1: each bucket's lowest score
   row_stamps: jax.Array  # uint32[capacity]: the clock when each row's entry last changed
   version: jax.Array  # uint32: calls that changed the table so far (see Storage)
   size: jax.Array  # shape=(), dtype=int32
@@ -117,8 +117,9 @@ class OpenAddressingTable(Storage):
         4 bytes per slot.
       eviction_window: buckets in each of a new key's two windows of
         eviction candidates (1 to 64; default 1: 16 slots, about 8 entries).
-        More candidates evict closer to the lowest scores of the whole table,
-        at more reads per evicting key (see :mod:`eviction_rounds`).
+        More candidates evict closer to the lowest scores of the whole table;
+        a key reads its windows' bucket floors (4 bytes per bucket), then one
+        bucket's scores (see :mod:`eviction_rounds`).
 
     Raises:
       TypeError: unsupported key or value dtype, non-integer ``capacity`` or
@@ -449,7 +450,7 @@ class OpenAddressingTable(Storage):
   def _set_scores(self, slot, score, mask):
     """As :meth:`Storage._set_scores`, the floors of the buckets written kept exact (eviction_rounds)."""
     table = super()._set_scores(slot, score, mask)
-    if self.eviction is None:
+    if not self.bucket_floors.shape[-1]:  # none kept (see _empty)
       return table
     floors = eviction_rounds.refresh_floors(
       self.layout, table.slot_scores, self.bucket_floors, slot // self.bucket_size, mask
@@ -539,10 +540,12 @@ def _jit_place(table: OpenAddressingTable, words, leaves, given_scores, slots, v
 
 def _empty(capacity, key_spec, value_spec, default, bucket_size, eviction, eviction_window):
   layout = Layout(max(1, math.ceil(capacity / (bucket_size * _MAX_LOAD))), bucket_size, key_spec.num_words)
+  # Floors pay where a window is wider than a bucket: one-bucket windows read their two buckets' scores.
+  floors = layout.num_buckets if eviction is not None and eviction_window > 1 else 0
   return OpenAddressingTable(
     buckets=jnp.zeros((layout.num_buckets, layout.record_width), jnp.uint32),
     free_rows=jnp.arange(capacity, dtype=jnp.int32),
-    bucket_floors=jnp.full((layout.num_buckets if eviction is not None else 0,), NO_SCORE, jnp.uint32),
+    bucket_floors=jnp.full((floors,), NO_SCORE, jnp.uint32),
     bucket_size=bucket_size,
     eviction_window=eviction_window,
     **empty_fields(capacity, key_spec, value_spec, default, layout.num_slots, eviction, stamps=True),
