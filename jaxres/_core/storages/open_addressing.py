@@ -117,9 +117,10 @@ class OpenAddressingTable(Storage):
         4 bytes per slot.
       eviction_window: buckets in each of a new key's two windows of
         eviction candidates (1 to 64; default 1: 16 slots, about 8 entries).
-        More candidates evict closer to the lowest scores of the whole table;
-        a key reads its windows' bucket floors (4 bytes per bucket), then one
-        bucket's scores (see :mod:`eviction_rounds`).
+        More candidates evict closer to the lowest scores of the whole table.
+        Wider than 1, each bucket also keeps its lowest score (half a byte
+        more per slot) and a key reads its windows' floors, then one bucket's
+        scores (see :mod:`eviction_rounds`).
 
     Raises:
       TypeError: unsupported key or value dtype, non-integer ``capacity`` or
