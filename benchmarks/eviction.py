@@ -184,7 +184,7 @@ def cost(capacity: int, calls: int, repeats: int = 3) -> dict:
       times[name].append(statistics.median(elapsed))
       if policy is not None:
         assert int(table.size) == capacity and int(table.evictions) > 0
-        bytes_per_slot = table.slot_scores.nbytes / table.num_slots
+        bytes_per_slot = (table.slot_scores.nbytes + table.bucket_floors.nbytes) / table.num_slots
   evicting, plain = statistics.median(times["evicting"]), statistics.median(times["plain"])
   return {
     "evicting_us": evicting * 1e6,
@@ -237,7 +237,13 @@ def report(scale: float, calls: int = 25) -> str:
       f"<= 1.5x ({costs['ratio']:.2f}x)",
       costs["ratio"] <= 1.5,
     ),
-    ("bytes of scores per slot", f"{costs['score_bytes']:.0f}", "", "<= 4", costs["score_bytes"] <= 4),
+    (
+      "bytes of scores per slot, floors included (default window)",
+      f"{costs['score_bytes']:.0f}",
+      "",
+      "<= 4",
+      costs["score_bytes"] <= 4,
+    ),
     (
       "HKV customized correct rate (last round kept), eviction_window=1 (default) / 4 / 32",
       " / ".join(f"{hkv['correct_rate', w]:.4f}" for w in WINDOWS),

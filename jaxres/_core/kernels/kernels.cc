@@ -1104,10 +1104,11 @@ class SlotMap {
 // is there); rows whose victim is lower than their own score claim it, then the
 // winners claim their slots (scratch cells, as claims.lowest_writer); the rows
 // that won both evict their victims and take their rows and the slots. A victim
-// placed by an earlier round's row displaces that row. A row finds its victim
-// through the buckets' floors (the lowest score of each, kept exact here as in
-// the table): the first bucket of lowest floor, then its first lowest slot; when
-// that entry is named by the call (protect), by a scan of every candidate.
+// placed by an earlier round's row displaces that row. Where floors are kept
+// (the lowest score of each bucket, kept exact here as in the table), a row
+// finds its victim through them: the first bucket of lowest floor, then its
+// first lowest slot; without floors, or when that entry is named by the call
+// (protect), by a scan of every candidate.
 ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_in, ffi::Buffer<ffi::U32> floors_in,
                  ffi::Buffer<ffi::U32> words_in, ffi::Buffer<ffi::PRED> pending_in, ffi::Buffer<ffi::U32> new_score_in,
                  ffi::Buffer<ffi::S32> named, ffi::ResultBuffer<ffi::U32> records_out,
@@ -1194,7 +1195,7 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
     std::vector<int32_t> victim, target, scratch, writer, taker;
     std::vector<uint32_t> lowest;
     std::vector<char> can, won;
-    constexpr int64_t kRowsAhead = 12;  // rows whose lines are fetched ahead (measured: 3 leaves misses exposed)  // rows whose lines are fetched ahead (measured: 3 leaves misses exposed)
+    constexpr int64_t kRowsAhead = 12;  // rows whose lines are fetched ahead (measured: 3 leaves misses exposed)
     for (int32_t rounds = 0; std::any_of(pending.begin(), pending.end(), [](char p) { return p; }); ++rounds) {
       // This round's rows: the lowest pending ones, up to half the batch first, then a chunk.
       const int64_t m = rounds == 0 ? std::max<int64_t>(1, n / 2) : ChunkSize(n);
