@@ -1167,10 +1167,11 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
       }
     }
     const uint32_t all_slots = size >= 32 ? UINT32_MAX : (1u << size) - 1u;
-    // Bucket w of row i's windows, in the order candidates rank.
-    const auto bucket_at = [&](int64_t i, int64_t w) {
-      const int64_t b = (w < window ? home[i] : second[i]) + (w % window);
-      return b >= t.num_buckets ? b % t.num_buckets : b;
+    // Calls f(b) for the buckets of row i's windows, in the order candidates rank (no division).
+    const auto for_each_bucket = [&](int64_t i, const auto& f) {
+      for (const int64_t start : {home[i], second[i]}) {
+        for (int64_t w = 0, b = start; w < window; ++w, b = t.next(b)) f(b);
+      }
     };
     const auto floor_of = [&](int64_t b) {
       const uint32_t* s = scores + b * size;
@@ -1178,24 +1179,47 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
       for (int64_t k = 1; k < size; ++k) lowest = std::min(lowest, s[k]);
       return lowest;
     };
+    // Where x[a..a + len) (a run of buckets' floors, or of their slots' scores) holds a value below
+    // `best`: its first lowest becomes `best` and its position `choice`. Branch-free but for the last
+    // step: which position of a scan is the lowest is unpredictable.
+    const auto lower_in = [](const uint32_t* x, int64_t a, int64_t len, uint32_t& best, int64_t& choice) {
+      uint32_t lowest = UINT32_MAX;
+      for (int64_t k = a; k < a + len; ++k) lowest = x[k] < lowest ? x[k] : lowest;
+      if (lowest < best) {
+        best = lowest;
+        int64_t k = a;
+        while (x[k] != lowest) ++k;
+        choice = k;
+      }
+    };
+    // Calls f(a, len) for the runs of buckets of row i's windows, in the order candidates rank.
+    const auto for_each_run = [&](int64_t i, const auto& f) {
+      for (const int64_t start : {home[i], second[i]}) {
+        for (int64_t a = start, left = window; left > 0; a = 0) {
+          const int64_t len = std::min(left, t.num_buckets - a);
+          f(a, len);
+          left -= len;
+        }
+      }
+    };
     // Floors kept (windows wider than a bucket): a row reads them, then one bucket's scores; else
-    // the scores of every candidate.
+    // the scores of every candidate. Each pass below reads one kind of line for every row, the
+    // lines of the row kRowsAhead on fetched first, so that the misses of many rows overlap.
     const bool with_floors = floors_in.element_count() > 0;
-    // The lines a row reads first: its home record and the floors (else the scores) of its windows.
     const uint32_t* per_bucket = with_floors ? floors : scores;
     const int64_t stride = with_floors ? 1 : size;
-    const auto fetch = [&](int64_t i) {
-      t.prefetch(home[i]);
-      for (int64_t w = 0; w < 2 * window; ++w) {
-        const int64_t b = bucket_at(i, w);
-        if (w % window == 0 || (b * stride) % 16 == 0) __builtin_prefetch(per_bucket + b * stride);
+    const auto fetch_candidates = [&](int64_t i) {
+      for (const int64_t start : {home[i], second[i]}) {
+        for (int64_t w = 0, b = start; w < window; ++w, b = t.next(b)) {
+          if (w == 0 || (b * stride) % 16 == 0) __builtin_prefetch(per_bucket + b * stride);
+        }
       }
     };
     std::vector<int64_t> rows, cells, lowest_bucket;
     std::vector<int32_t> victim, target, scratch, writer, taker;
     std::vector<uint32_t> lowest;
     std::vector<char> can, won;
-    constexpr int64_t kRowsAhead = 12;  // rows whose lines are fetched ahead (measured: 3 leaves misses exposed)
+    constexpr int64_t kRowsAhead = 12;  // rows whose lines are fetched ahead
     for (int32_t rounds = 0; std::any_of(pending.begin(), pending.end(), [](char p) { return p; }); ++rounds) {
       // This round's rows: the lowest pending ones, up to half the batch first, then a chunk.
       const int64_t m = rounds == 0 ? std::max<int64_t>(1, n / 2) : ChunkSize(n);
@@ -1209,65 +1233,74 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
       lowest.assign(m, UINT32_MAX);
       lowest_bucket.assign(m, 0);
       can.assign(m, 0);
-      for (int64_t p = 0; p < std::min<int64_t>(kRowsAhead, live); ++p) fetch(rows[p]);
-      // Each row's bucket of the lowest floor (the first), its scores and record fetched.
-      for (int64_t p = 0; p < live && with_floors; ++p) {
-        const int64_t i = rows[p];
-        if (p + kRowsAhead < live) fetch(rows[p + kRowsAhead]);
-        uint32_t best = UINT32_MAX;
-        int64_t at = home[i];  // every floor free: as argmin, the first
-        for (int64_t w = 0; w < 2 * window; ++w) {
-          const int64_t b = bucket_at(i, w);
-          if (floors[b] < best) {
-            best = floors[b];
-            at = b;
-          }
-        }
-        lowest_bucket[p] = at;
-        __builtin_prefetch(scores + at * size);
-        t.prefetch(at);
-      }
-      for (int64_t p = 0; p < live; ++p) {
+      // Pass 1: each row's victim, the first lowest candidate; where floors are kept, first the first
+      // bucket of the lowest floor (home where all are free), its scores read in pass 2.
+      const auto scan = [&](int64_t p) {
         const int64_t i = rows[p];
         uint32_t best = UINT32_MAX;
-        int64_t choice = home[i] * size;  // the first minimum, as argmin (all free: the first)
-        if (with_floors) {
-          const int64_t b = lowest_bucket[p];
-          for (int64_t s = 0; s < size; ++s) {
-            if (scores[b * size + s] < best) {
-              best = scores[b * size + s];
-              choice = b * size + s;
-            }
-          }
-        } else if (p + kRowsAhead < live) {
-          fetch(rows[p + kRowsAhead]);
-        }
-        // No floors, or the first lowest entry is named by the call: the first lowest of the others.
-        if (!with_floors || (protect && best != UINT32_MAX && taken.get(static_cast<int32_t>(choice)) >= 0)) {
-          best = UINT32_MAX;
-          for (int64_t w = 0; w < 2 * window; ++w) {
-            const int64_t b = bucket_at(i, w);
-            for (int64_t s = 0; s < size; ++s) {
-              if (scores[b * size + s] < best && !(protect && taken.get(static_cast<int32_t>(b * size + s)) >= 0)) {
-                best = scores[b * size + s];
-                choice = b * size + s;
+        int64_t choice = home[i] * size;
+        if (!protect) {
+          for_each_run(i, [&](int64_t a, int64_t len) { lower_in(scores, a * size, len * size, best, choice); });
+        } else {  // named entries are not candidates
+          for_each_bucket(i, [&](int64_t b) {
+            for (int64_t s = b * size; s < (b + 1) * size; ++s) {
+              if (scores[s] < best && taken.get(static_cast<int32_t>(s)) < 0) {
+                best = scores[s];
+                choice = s;
               }
             }
+          });
+        }
+        victim[p] = static_cast<int32_t>(best == UINT32_MAX ? home[i] * size : choice);
+        lowest[p] = best;
+      };
+      for (int64_t p = 0; p < std::min<int64_t>(kRowsAhead, live); ++p) fetch_candidates(rows[p]);
+      for (int64_t p = 0; p < live; ++p) {
+        const int64_t i = rows[p];
+        if (p + kRowsAhead < live) fetch_candidates(rows[p + kRowsAhead]);
+        if (!with_floors) {
+          scan(p);
+          continue;
+        }
+        uint32_t best = UINT32_MAX;
+        int64_t at = home[i];
+        for_each_run(i, [&](int64_t a, int64_t len) { lower_in(floors, a, len, best, at); });
+        lowest_bucket[p] = at;
+        __builtin_prefetch(scores + at * size);
+      }
+      // Pass 2, floors kept: the first lowest slot of that bucket; if the call names its entry, a scan.
+      for (int64_t p = 0; p < live && with_floors; ++p) {
+        uint32_t best = UINT32_MAX;
+        int64_t choice = home[rows[p]] * size;
+        lower_in(scores, lowest_bucket[p] * size, size, best, choice);
+        if (protect && best != UINT32_MAX && taken.get(static_cast<int32_t>(choice)) >= 0) {
+          scan(p);
+        } else {
+          victim[p] = static_cast<int32_t>(choice);
+          lowest[p] = best;
+        }
+      }
+      // Pass 3: the slot each row's key takes: the lane's free slot in the first bucket of its first
+      // window with room, else the victim's if it is in that window.
+      const auto fetch_home = [&](int64_t i) {
+        t.prefetch(home[i]);
+        __builtin_prefetch(scores + home[i] * size);
+      };
+      for (int64_t p = 0; p < std::min<int64_t>(8, live); ++p) fetch_home(rows[p]);
+      for (int64_t p = 0; p < live; ++p) {
+        const int64_t i = rows[p];
+        if (p + 8 < live) fetch_home(rows[p + 8]);
+        int64_t first_free = -1;
+        for (int64_t w = 0, b = home[i]; w < window; ++w, b = t.next(b)) {
+          const uint32_t free = ~t.mask(b) & all_slots;
+          if (free) {
+            first_free = b * size + NthSetBit(free, lane[i] % static_cast<uint32_t>(BitCount(free)));
+            break;
           }
         }
-        if (best == UINT32_MAX) choice = home[i] * size;
-        // The slot to take: the lane's free slot in the first bucket of the first window with room.
-        int64_t first_free = -1;
-        for (int64_t w = 0; w < window && first_free < 0; ++w) {
-          const int64_t b = bucket_at(i, w);
-          const uint32_t free = ~t.mask(b) & all_slots;
-          if (free) first_free = b * size + NthSetBit(free, lane[i] % static_cast<uint32_t>(BitCount(free)));
-        }
-        victim[p] = static_cast<int32_t>(choice);
-        lowest[p] = best;
-        const bool in_first = t.distance(home[i], t.bucket_of(choice)) < window;
-        target[p] = static_cast<int32_t>(first_free >= 0 ? first_free : (in_first ? choice : -1));
-        can[p] = best < new_score[i] && target[p] >= 0;
+        const bool in_first = t.distance(home[i], t.bucket_of(victim[p])) < window;
+        target[p] = static_cast<int32_t>(first_free >= 0 ? first_free : (in_first ? victim[p] : -1));
+        can[p] = lowest[p] < new_score[i] && target[p] >= 0;
       }
       const int64_t scratch_size = ScratchSize(m);
       cells.assign(m, 0);
