@@ -291,12 +291,12 @@ def _free_score_highest(table, scores):
   return jnp.asarray(np.where(live, scores, np.iinfo(np.uint32).max).astype(np.uint32))
 
 
-@functools.partial(jax.jit, static_argnames=("reference", "layout", "window"))
-def _evict(layout, flat, scores, words, pending, new_score, named, reference, window=4):
+@functools.partial(jax.jit, static_argnames=("reference", "layout", "window", "capacity"))
+def _evict(layout, flat, scores, words, pending, new_score, named, reference, window=4, capacity=48):
   evict = eviction_rounds._evict_reference if reference else eviction_rounds.evict
-  # As a table keeps them: floors with windows wider than a bucket, none with one-bucket windows.
-  floors = eviction_rounds.floors_of(layout, scores) if window > 1 else jnp.zeros((0,), jnp.uint32)
-  return evict(layout, flat, scores, floors, words, pending, new_score, named, window)
+  # As a table keeps them: floors with fixed windows wider than a bucket, else none.
+  floors = eviction_rounds.floors_of(layout, scores) if (window or 1) > 1 else jnp.zeros((0,), jnp.uint32)
+  return evict(layout, flat, scores, floors, words, pending, new_score, named, window, capacity)
 
 
 def _assert_same_evictions(layout, kernel, reference):
@@ -312,13 +312,15 @@ def _assert_same_evictions(layout, kernel, reference):
   num_words=st.sampled_from([1, 2]),
   bucket_size=st.sampled_from([1, 4, 8]),
   protect=st.booleans(),
-  window=st.sampled_from([1, 32]),
+  window=st.sampled_from([1, 32, None]),
+  capacity=st.sampled_from([48, 4096]),
   seed=st.integers(0, 2**16),
 )
-def test_evict_kernel_equals_its_reference(num_words, bucket_size, protect, window, seed):
+def test_evict_kernel_equals_its_reference(num_words, bucket_size, protect, window, capacity, seed):
   """A full table's entries with random scores (ties included), a batch of present and new keys:
   new keys evict in either window, take free slots or their victims', lose claims and choose
-  again, or are refused."""
+  again, or are refused. Per-call windows (``None``) as wide as the pending rows' share of
+  ``capacity`` makes them (16 or 1 here)."""
   rng = np.random.default_rng(seed)
   table = jr.OpenAddressingTable.create(
     48, key=KEYS[num_words], value=jnp.float32, bucket_size=bucket_size, eviction=jr.CustomScore()
@@ -336,8 +338,8 @@ def test_evict_kernel_equals_its_reference(num_words, bucket_size, protect, wind
   named = jnp.where(found, slot, -1) if protect else None
   args = (table.layout, table.buckets.reshape(-1), scores, words, pending, new_score, named)
   kernel, reference = (
-    _evict(*args, reference=False, window=window),
-    _evict(*args, reference=True, window=window),
+    _evict(*args, reference=False, window=window, capacity=48 if window else capacity),
+    _evict(*args, reference=True, window=window, capacity=48 if window else capacity),
   )
   _assert_same_evictions(table.layout, kernel, reference)
   assert int(np.sum(reference.placed)) > 0  # evictions happened
@@ -345,9 +347,11 @@ def test_evict_kernel_equals_its_reference(num_words, bucket_size, protect, wind
 
 @pytest.mark.skipif(not native.ENABLED, reason="kernels off")
 @pytest.mark.parametrize("protect", [False, True])
-def test_large_evicting_batches_equal_the_reference(protect):
+@pytest.mark.parametrize("window", [4, None])
+def test_large_evicting_batches_equal_the_reference(protect, window):
   """3000 new keys on a full table of 4096 entries: claims lost to other victims in the same
-  scratch cell, victims shared by several keys, rows beyond the first half-batch round."""
+  scratch cell, victims shared by several keys, rows beyond the first half-batch round; with a
+  fixed window and with the per-call one (16 buckets here)."""
   rng = np.random.default_rng(5)
   table = jr.OpenAddressingTable.create(4096, key=KEYS[2], value=jnp.float32, eviction=jr.CustomScore())
   stored = rng.integers(0, 2**32, (4096, 2), dtype=np.uint32)
@@ -358,7 +362,10 @@ def test_large_evicting_batches_equal_the_reference(protect):
   new_score = jnp.asarray(rng.integers(0, 120, words.shape[0], dtype=np.uint32))
   named = jnp.where(found, slot, -1) if protect else None
   args = (table.layout, table.buckets.reshape(-1), scores, words, ~found, new_score, named)
-  kernel, reference = _evict(*args, reference=False), _evict(*args, reference=True)
+  kernel, reference = (
+    _evict(*args, reference=False, window=window, capacity=4096),
+    _evict(*args, reference=True, window=window, capacity=4096),
+  )
   _assert_same_evictions(table.layout, kernel, reference)
   assert int(np.sum(reference.placed)) > 1000 and int(np.sum(reference.refused)) > 0
 

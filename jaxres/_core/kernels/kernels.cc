@@ -1117,7 +1117,8 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
                  ffi::ResultBuffer<ffi::PRED> refused_out, ffi::ResultBuffer<ffi::PRED> displaced_out,
                  ffi::ResultBuffer<ffi::S32> victim_batch_out, ffi::ResultBuffer<ffi::S32> victim_slot_out,
                  ffi::ResultBuffer<ffi::S32> victim_row_out, ffi::ResultBuffer<ffi::U32> victim_words_out,
-                 ffi::ResultBuffer<ffi::U32> victim_score_out, int64_t bucket_size, int64_t window, bool protect) {
+                 ffi::ResultBuffer<ffi::U32> victim_score_out, int64_t bucket_size, int64_t window, int64_t capacity,
+                 bool protect) {
   uint32_t* records = records_out->typed_data();
   if (records != records_in.typed_data()) std::memcpy(records, records_in.typed_data(), records_in.size_bytes());
   uint32_t* scores = scores_out->typed_data();
@@ -1152,11 +1153,17 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
       if (named.typed_data()[k] >= 0) taken.set(named.typed_data()[k], 0);
     }
     SlotMap newcomer(n);  // the row whose key a slot holds, for keys this call placed
-    std::vector<char> pending(n);
+    std::vector<char> pending(pending_in.typed_data(), pending_in.typed_data() + n);
+    if (window == 0) {  // eviction_rounds.auto_window
+      const int64_t count = std::count(pending.begin(), pending.end(), 1);
+      window = 1;
+      for (int64_t w = 2; w <= kMaxAutoEvictionWindow; w *= 2) {
+        if (count >= (w * capacity + kAutoEvictionShare - 1) / kAutoEvictionShare) window = w;
+      }
+    }
     std::vector<int64_t> home(n), second(n);
     std::vector<uint32_t> lane(n);
     for (int64_t i = 0; i < n; ++i) {
-      pending[i] = pending_in.typed_data()[i];
       if (pending[i]) {
         home[i] = t.home(words + i * W);
         // Past the first window, at an independent hash (eviction_rounds.windows).
@@ -1436,6 +1443,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresEvict, Evict,
                                   .Ret<ffi::Buffer<ffi::U32>>()
                                   .Attr<int64_t>("bucket_size")
                                   .Attr<int64_t>("window")
+                                  .Attr<int64_t>("capacity")
                                   .Attr<bool>("protect"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresWriteRows, WriteRows,

@@ -77,7 +77,8 @@ def evict(
   pending: jax.Array,
   new_score: jax.Array,
   named: jax.Array | None,
-  window: int,
+  window: int | None,
+  capacity: int,
 ) -> Outcome:
   """Places the keys of the ``pending`` rows (distinct new keys) by evicting entries.
 
@@ -92,7 +93,9 @@ def evict(
     named: int32[M] slots of the entries the call names, which must not be
       evicted, or ``None`` when scores already protect them (every named
       entry's score then equals the highest a new key can have).
-    window: buckets in each of a key's two windows of candidates.
+    window: buckets in each of a key's two windows of candidates, or ``None``:
+      :func:`auto_window` of the pending rows and ``capacity``.
+    capacity: the table's capacity (entries).
   """
   n, protect = words.shape[0], named is not None
   records = flat.reshape(layout.num_buckets, layout.record_width)
@@ -116,6 +119,7 @@ def evict(
       new_score,
       named if protect else None,
       window,
+      capacity,
     )
     return tuple(outcome._replace(flat=outcome.flat.reshape(records.shape)))
 
@@ -129,11 +133,32 @@ def evict(
       *args,
       aliases={0: 0, 1: 1, 2: 2},
       bucket_size=layout.bucket_size,
-      window=window,
+      window=0 if window is None else window,
+      capacity=capacity,
       protect=protect,
     )
   )
   return outcome._replace(flat=outcome.flat.reshape(-1))
+
+
+AUTO_WINDOWS = tuple(1 << k for k in range(constants.MAX_AUTO_EVICTION_WINDOW.bit_length()))
+
+
+def auto_window(count: jax.Array, capacity: int) -> jax.Array:
+  """int32 index into :data:`AUTO_WINDOWS` of the window for ``count`` keys that must evict.
+
+  The widest window ``w`` with ``w * capacity <= AUTO_EVICTION_SHARE * count`` (else 1): the
+  candidates grow with the share of the table one call replaces, where keys of one batch would
+  otherwise compete for few of them.
+
+  Examples:
+    >>> from jaxres._core.storages.eviction_rounds import AUTO_WINDOWS, auto_window
+    >>> [AUTO_WINDOWS[int(auto_window(jnp.int32(n), 1 << 20))] for n in (4096, 1 << 16, 1 << 19, 1 << 20)]
+    [1, 2, 16, 32]
+  """
+  share = constants.AUTO_EVICTION_SHARE
+  least = [min(-(-width * capacity // share), np.iinfo(np.int32).max) for width in AUTO_WINDOWS[1:]]
+  return sum((count >= n).astype(jnp.int32) for n in least)
 
 
 def windows(layout: Layout, words: jax.Array, window: int) -> jax.Array:
@@ -167,8 +192,20 @@ def refresh_floors(layout: Layout, scores: jax.Array, floors: jax.Array, bucket,
   return floors.at[jnp.where(mask, bucket, floors.shape[0])].set(lowest, mode="drop")
 
 
-def _evict_reference(layout, flat, scores, floors, words, pending, new_score, named, window) -> Outcome:
+def _evict_reference(layout, flat, scores, floors, words, pending, new_score, named, window, capacity) -> Outcome:
   """:func:`evict` in data-parallel rounds: the GPU/TPU path and the kernel's reference."""
+  if window is not None:
+    return _rounds(layout, flat, scores, floors, words, pending, new_score, named, window)
+
+  def rounds(width):
+    return lambda flat, scores, floors: _rounds(layout, flat, scores, floors, words, pending, new_score, named, width)
+
+  index = auto_window(jnp.sum(pending, dtype=jnp.int32), capacity)
+  return lax.switch(index, [rounds(width) for width in AUTO_WINDOWS], flat, scores, floors)
+
+
+def _rounds(layout, flat, scores, floors, words, pending, new_score, named, window) -> Outcome:
+  """The rounds of :func:`evict` with windows of ``window`` buckets."""
   n, size = words.shape[0], layout.bucket_size
   taken = None if named is None else jnp.sort(named)
 

@@ -71,7 +71,7 @@ class OpenAddressingTable(Storage):
   free_rows: jax.Array  # int32[capacity]: free_rows[size:] are the rows no entry holds
   default: tuple  # leaves [*storage_shape]
   slot_scores: jax.Array  # uint32[num_buckets * bucket_size] with an eviction policy, else uint32[0]
-  bucket_floors: jax.Array  # uint32[num_buckets] with eviction_window > 1: each bucket's lowest score
+  bucket_floors: jax.Array  # uint32[num_buckets] with a fixed eviction_window > 1: each bucket's lowest score
   row_stamps: jax.Array  # uint32[capacity]: the clock when each row's entry last changed
   version: jax.Array  # uint32: calls that changed the table so far (see Storage)
   size: jax.Array  # shape=(), dtype=int32
@@ -83,7 +83,7 @@ class OpenAddressingTable(Storage):
   value_spec: ValueSpec = static_field()
   eviction: Policy | None = static_field()
   bucket_size: int = static_field()
-  eviction_window: int = static_field()
+  eviction_window: int | None = static_field()
 
   @classmethod
   def create(
@@ -95,7 +95,7 @@ class OpenAddressingTable(Storage):
     *,
     bucket_size: int | None = None,
     eviction: Policy | None = None,
-    eviction_window: int = constants.EVICTION_WINDOW,
+    eviction_window: int | None = None,
   ) -> OpenAddressingTable:
     """An empty table guaranteed to hold ``capacity`` live entries.
 
@@ -116,11 +116,15 @@ class OpenAddressingTable(Storage):
         full table evicts (see :mod:`jaxres` section on eviction). Scores take
         4 bytes per slot.
       eviction_window: buckets in each of a new key's two windows of
-        eviction candidates (1 to 64; default 1: 16 slots, about 8 entries).
-        More candidates evict closer to the lowest scores of the whole table.
-        Wider than 1, each bucket also keeps its lowest score (half a byte
-        more per slot) and a key reads its windows' floors, then one bucket's
-        scores (see :mod:`eviction_rounds`).
+        eviction candidates (1 to 64), or ``None`` (the default): per call,
+        from the share of the capacity its new keys replace: 1 (16 slots,
+        about 8 entries) below 1/16 of it, doubling with the share up to 32
+        for a whole capacity, where the keys of one batch would otherwise
+        compete for few candidates. More candidates evict closer to the
+        lowest scores of the whole table. A fixed window wider than 1 keeps
+        each bucket's lowest score too (half a byte more per slot): a key
+        reads its windows' floors, then one bucket's scores; by default every
+        candidate's score is read (see :mod:`eviction_rounds`).
 
     Raises:
       TypeError: unsupported key or value dtype, non-integer ``capacity`` or
@@ -128,7 +132,8 @@ class OpenAddressingTable(Storage):
       ValueError: ``capacity``, ``bucket_size`` or ``eviction_window`` out of range.
     """
     capacity = check_capacity(capacity)
-    eviction_window = check_int(eviction_window, "eviction_window", low=1, high=constants.MAX_EVICTION_WINDOW)
+    if eviction_window is not None:
+      eviction_window = check_int(eviction_window, "eviction_window", low=1, high=constants.MAX_EVICTION_WINDOW)
     eviction = check_policy(eviction)
     key_spec, value_spec, default = cls._specs(key, value, default)
     if bucket_size is None:
@@ -421,6 +426,7 @@ class OpenAddressingTable(Storage):
       score,
       protect,
       self.eviction_window,
+      self.capacity,
     )
     # Rows of a key that had to evict follow its first row.
     placed = to_evict & outcome.placed[first]
@@ -541,8 +547,9 @@ def _jit_place(table: OpenAddressingTable, words, leaves, given_scores, slots, v
 
 def _empty(capacity, key_spec, value_spec, default, bucket_size, eviction, eviction_window):
   layout = Layout(max(1, math.ceil(capacity / (bucket_size * _MAX_LOAD))), bucket_size, key_spec.num_words)
-  # Floors pay where a window is wider than a bucket: one-bucket windows read their two buckets' scores.
-  floors = layout.num_buckets if eviction is not None and eviction_window > 1 else 0
+  # Floors pay where every call's windows are wider than a bucket (their upkeep slows every write of a
+  # score): one-bucket windows read their two buckets' scores, and per-call windows every candidate's.
+  floors = layout.num_buckets if eviction is not None and (eviction_window or 1) > 1 else 0
   return OpenAddressingTable(
     buckets=jnp.zeros((layout.num_buckets, layout.record_width), jnp.uint32),
     free_rows=jnp.arange(capacity, dtype=jnp.int32),
