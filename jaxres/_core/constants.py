@@ -30,6 +30,7 @@ ROUND_MIX = 0x85EBCA6B  # a claim round's salt: each round hashes slots to cells
 # Claims (kernels/claims.py): scratch cells per batch row, and the rows a later round takes
 # (a chunk: at least CHUNK_MIN_ROWS, else a CHUNK_FRACTION of the batch).
 CELLS_PER_ROW = 8
+EVICTION_CELLS_PER_ROW = 32  # eviction's two claims per round: fewer rows lose a cell to another victim
 CHUNK_MIN_ROWS = 64
 CHUNK_FRACTION = 8
 

@@ -59,9 +59,9 @@ def pending_rows(mask: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
   return jnp.minimum(target, n - 1), target
 
 
-def scratch_size(n: int) -> int:
+def scratch_size(n: int, cells_per_row: int = constants.CELLS_PER_ROW) -> int:
   """Scratch cells for a batch of ``n`` rows (a power of two)."""
-  return 1 << max(1, (constants.CELLS_PER_ROW * n - 1).bit_length())
+  return 1 << max(1, (cells_per_row * n - 1).bit_length())
 
 
 def cell_of(slot: jax.Array, rounds: jax.Array, size: int) -> jax.Array:

@@ -277,20 +277,23 @@ inline int BitCount(uint32_t x) {
 }
 
 // Scratch cells for a batch of `n` rows (a power of two).
-int64_t ScratchSize(int64_t n) { return int64_t{1} << std::max(1, BitLength(kCellsPerRow * n - 1)); }
+int64_t ScratchSize(int64_t n, int64_t cells_per_row = kCellsPerRow) {
+  return int64_t{1} << std::max(1, BitLength(cells_per_row * n - 1));
+}
 
 inline int64_t CellOf(int32_t slot, int32_t rounds, int64_t size) {
   uint32_t mixed = (static_cast<uint32_t>(slot) ^ (static_cast<uint32_t>(rounds) * kRoundMix)) * kGoldenMix;
   return mixed >> (33 - BitLength(size));
 }
 
-// For rows `0..n-1` writing `cells` where `mask`: the lowest writer of each
-// row's cell (n-1 where none), as claims.lowest_writer.
+// For rows `0..n-1` writing `cells` (below `size`) where `mask`: the lowest writer of each row's
+// cell (n-1 where none), as claims.lowest_writer. The scratch cells are free (INT32_MAX) before
+// and after: only the cells written are cleared, so that a call's rounds never fill a whole one.
 void LowestWriter(const std::vector<int64_t>& cells, const std::vector<char>& mask, int64_t size,
                   std::vector<int32_t>& scratch, std::vector<int32_t>& writer) {
   int64_t n = cells.size();
   constexpr int32_t kFree = INT32_MAX;
-  scratch.assign(size, kFree);
+  if (static_cast<int64_t>(scratch.size()) < size) scratch.resize(size, kFree);
   for (int64_t i = 0; i < n; ++i) {
     if (i + kAhead < n) __builtin_prefetch(&scratch[cells[i + kAhead]], 1);
     if (mask[i]) scratch[cells[i]] = std::min<int32_t>(scratch[cells[i]], i);
@@ -299,6 +302,9 @@ void LowestWriter(const std::vector<int64_t>& cells, const std::vector<char>& ma
   for (int64_t i = 0; i < n; ++i) {
     if (i + kAhead < n) __builtin_prefetch(&scratch[cells[i + kAhead]]);
     writer[i] = std::min<int32_t>(scratch[cells[i]], n - 1);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (mask[i]) scratch[cells[i]] = kFree;
   }
 }
 
@@ -1097,6 +1103,39 @@ class SlotMap {
 };
 
 
+// The position (0..15) of the first lowest of 16 scores, a[0..8) then b[0..8), and that score:
+// branch-free (which candidate is the lowest is unpredictable), as a one-bucket window's scan.
+__attribute__((always_inline)) inline int FirstLowestOf16(const uint32_t* a, const uint32_t* b, uint32_t& lowest) {
+#if defined(__SSE2__)
+  // Unsigned order as signed, the sign bit flipped (SSE2 compares signed 32-bit lanes).
+  const __m128i flip = _mm_set1_epi32(INT32_MIN);
+  const auto load = [&](const uint32_t* x) {
+    return _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)), flip);
+  };
+  const auto min = [](__m128i x, __m128i y) {
+    const __m128i y_lower = _mm_cmpgt_epi32(x, y);
+    return _mm_or_si128(_mm_and_si128(y_lower, y), _mm_andnot_si128(y_lower, x));
+  };
+  const __m128i v[4] = {load(a), load(a + 4), load(b), load(b + 4)};
+  __m128i m = min(min(v[0], v[1]), min(v[2], v[3]));
+  m = min(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(1, 0, 3, 2)));
+  m = min(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(2, 3, 0, 1)));
+  int equal = 0;
+  for (int k = 0; k < 4; ++k) equal |= _mm_movemask_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(v[k], m))) << (4 * k);
+  lowest = static_cast<uint32_t>(_mm_cvtsi128_si32(m)) ^ 0x80000000u;
+  return __builtin_ctz(static_cast<uint32_t>(equal));
+#else
+  uint32_t x[16];
+  std::memcpy(x, a, 8 * sizeof(uint32_t));
+  std::memcpy(x + 8, b, 8 * sizeof(uint32_t));
+  lowest = UINT32_MAX;
+  for (int k = 0; k < 16; ++k) lowest = x[k] < lowest ? x[k] : lowest;
+  int at = 0;
+  while (x[at] != lowest) ++at;
+  return at;
+#endif
+}
+
 // eviction_rounds.evict, round for round: each round the lowest pending rows (half
 // the batch first, then a chunk) choose, from the records as the round found
 // them, the lowest-score eligible entry of their two windows and the slot they
@@ -1163,13 +1202,14 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
     }
     std::vector<int64_t> home(n), second(n);
     std::vector<uint32_t> lane(n);
+    const Divisor past_first(static_cast<uint32_t>(std::max<int64_t>(1, t.num_buckets - window)));
     for (int64_t i = 0; i < n; ++i) {
       if (pending[i]) {
         home[i] = t.home(words + i * W);
         // Past the first window, at an independent hash (eviction_rounds.windows).
-        const uint32_t past = HashWords(words + i * W, W, kEvictionSeed) % static_cast<uint32_t>(
-                                  std::max<int64_t>(1, t.num_buckets - window));
-        second[i] = t.num_buckets > window ? (home[i] + window + past) % t.num_buckets : home[i];
+        const int64_t past = past_first.mod(HashWords(words + i * W, W, kEvictionSeed));
+        const int64_t b = home[i] + window + past;  // below 2 * num_buckets
+        second[i] = t.num_buckets > window ? (b >= t.num_buckets ? b - t.num_buckets : b) : home[i];
         lane[i] = (HashWords(words + i * W, W, kLaneSeed) * kGoldenMix) >> 16;
       }
     }
@@ -1223,10 +1263,11 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
       }
     };
     std::vector<int64_t> rows, cells, lowest_bucket;
-    std::vector<int32_t> victim, target, scratch, writer, taker;
+    std::vector<int32_t> victim, target, writer, taker;
+    thread_local std::vector<int32_t> scratch;  // free cells, kept from call to call (LowestWriter)
     std::vector<uint32_t> lowest;
     std::vector<char> can, won;
-    constexpr int64_t kRowsAhead = 12;  // rows whose lines are fetched ahead
+    constexpr int64_t kRowsAhead = 12, kHomesAhead = 24;  // rows whose lines are fetched ahead (measured)
     for (int32_t rounds = 0; std::any_of(pending.begin(), pending.end(), [](char p) { return p; }); ++rounds) {
       // This round's rows: the lowest pending ones, up to half the batch first, then a chunk.
       const int64_t m = rounds == 0 ? std::max<int64_t>(1, n / 2) : ChunkSize(n);
@@ -1246,7 +1287,10 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
         const int64_t i = rows[p];
         uint32_t best = UINT32_MAX;
         int64_t choice = home[i] * size;
-        if (!protect) {
+        if (!protect && window == 1 && size == 8) {
+          const int at = FirstLowestOf16(scores + home[i] * 8, scores + second[i] * 8, best);
+          choice = (at < 8 ? home[i] : second[i]) * 8 + (at & 7);
+        } else if (!protect) {
           for_each_run(i, [&](int64_t a, int64_t len) { lower_in(scores, a * size, len * size, best, choice); });
         } else {  // named entries are not candidates
           for_each_bucket(i, [&](int64_t b) {
@@ -1293,15 +1337,15 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
         t.prefetch(home[i]);
         __builtin_prefetch(scores + home[i] * size);
       };
-      for (int64_t p = 0; p < std::min<int64_t>(8, live); ++p) fetch_home(rows[p]);
+      for (int64_t p = 0; p < std::min<int64_t>(kHomesAhead, live); ++p) fetch_home(rows[p]);
       for (int64_t p = 0; p < live; ++p) {
         const int64_t i = rows[p];
-        if (p + 8 < live) fetch_home(rows[p + 8]);
+        if (p + kHomesAhead < live) fetch_home(rows[p + kHomesAhead]);
         int64_t first_free = -1;
         for (int64_t w = 0, b = home[i]; w < window; ++w, b = t.next(b)) {
           const uint32_t free = ~t.mask(b) & all_slots;
           if (free) {
-            first_free = b * size + NthSetBit(free, lane[i] % static_cast<uint32_t>(BitCount(free)));
+            first_free = b * size + NthSetBit(free, SmallDivisors()[BitCount(free)].mod(lane[i]));
             break;
           }
         }
@@ -1309,7 +1353,7 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
         target[p] = static_cast<int32_t>(first_free >= 0 ? first_free : (in_first ? victim[p] : -1));
         can[p] = lowest[p] < new_score[i] && target[p] >= 0;
       }
-      const int64_t scratch_size = ScratchSize(m);
+      const int64_t scratch_size = ScratchSize(m, kEvictionCellsPerRow);
       cells.assign(m, 0);
       for (int64_t p = 0; p < m; ++p) cells[p] = CellOf(victim[p], rounds, scratch_size);
       LowestWriter(cells, can, scratch_size, scratch, writer);

@@ -247,7 +247,7 @@ def _rounds(layout, flat, scores, floors, words, pending, new_score, named, wind
     in_first = (victim // size - home) % layout.num_buckets < window
     slot = jnp.where(jnp.any(room, axis=-1), first_free, jnp.where(in_first, victim, -1))
     can = active & (victim_score < new_score[rows]) & (slot >= 0)
-    scratch = claims.scratch_size(rows.shape[0])
+    scratch = claims.scratch_size(rows.shape[0], constants.EVICTION_CELLS_PER_ROW)
     winner = claims.lowest_writer(claims.cell_of(victim, rounds, scratch), can, scratch)
     won = can & (winner == position)
     taker = claims.lowest_writer(claims.cell_of(slot, rounds, scratch), won, scratch)
