@@ -109,7 +109,7 @@ def quality(stream: np.ndarray, capacity: int, devices: int = 1) -> dict:
   }
 
 
-WINDOWS = (None, 1, 4, 32)  # eviction_window: the default (per call), one bucket, HKV's first bar, HKV's geometry
+WINDOWS = (None, 1, 4, 32)  # eviction_window: the default (per call), one bucket, HKV's bar, HKV's geometry
 
 
 def hkv_cases(capacity: int) -> dict:

@@ -278,7 +278,9 @@ def _live_keys(table) -> np.ndarray:
   return np.asarray(keys)[np.asarray(valid)]
 
 
-@pytest.mark.parametrize(("window", "bar"), [(None, 0.964), (4, 0.964), (1, 0.86)], ids=["default", "window_4", "window_1"])
+@pytest.mark.parametrize(
+  ("window", "bar"), [(None, 0.964), (4, 0.964), (1, 0.86)], ids=["default", "window_4", "window_1"]
+)
 def test_hkv_customized_correct_rate(window, bar):
   """HierarchicalKV's "customized correct rate" case: 12 rounds, each of as many new keys as the
   table holds, with rising scores (score = key). At the end the table must hold the last round:
@@ -295,7 +297,9 @@ def test_hkv_customized_correct_rate(window, bar):
   assert np.mean(live >= 11 * capacity + 2**33) >= bar
 
 
-@pytest.mark.parametrize(("window", "bar"), [(None, 0.995), (32, 0.995), (4, 0.965)], ids=["default", "window_32", "window_4"])
+@pytest.mark.parametrize(
+  ("window", "bar"), [(None, 0.995), (32, 0.995), (4, 0.965)], ids=["default", "window_32", "window_4"]
+)
 def test_hkv_eviction_quality_at_full_load(window, bar):
   """HierarchicalKV's "eviction quality at full load" case (dual buckets): 5 batches of as many new
   keys as the table holds, random scores; the table must hold the keys of highest score. HKV's

@@ -4,7 +4,11 @@ A new key's candidates are the occupied slots of two windows of ``window``
 buckets each: the first starts at its home bucket, the second at a bucket
 chosen by an independent hash of the key (``EVICTION_SEED``), so two keys that
 share a home rarely share both windows (it starts past the first: in a table
-of few buckets the two cover different ones). Entries the call names are not
+of few buckets the two cover different ones). A table's ``eviction_window``
+fixes ``window``; by default each call sets it from the share of the capacity
+its new keys replace (:func:`auto_window`): one bucket for a few keys, up to 32
+for a batch of a whole capacity, whose keys would otherwise compete for few
+candidates. Entries the call names are not
 candidates; entries it placed are, so that the keys of one batch compete by
 score as entries of the table do (a key placed, then evicted by a later key of
 the same call, is *displaced*: reported by the key that evicted it, with the
@@ -23,7 +27,7 @@ on every backend) and the others choose again in the next round, seeing what
 the winners did. Work per round is O(rows x (window + bucket_size)). On CPU a
 kernel (``jaxres_evict``) runs the same rounds one row at a time.
 
-With windows wider than one bucket, each bucket's lowest score, its
+With a fixed window wider than one bucket, each bucket's lowest score, its
 *floor*, is kept beside the scores (``floors``, one ``uint32`` per bucket,
 half a byte per slot; the table keeps it exact on every write of a score),
 so a key finds its victim by reading the floors of its windows, then the
@@ -31,11 +35,12 @@ scores of the one bucket that holds their lowest: the same entry as a scan of
 every candidate, at a cost that grows slowly with ``window``. If that entry
 is one the call names (protected by position rather than by score), or
 without floors (``uint32[0]``: one-bucket windows, whose two buckets' scores
-are read directly), every candidate is scanned.
+are read directly, and windows set per call), every candidate is scanned.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -192,22 +197,56 @@ def refresh_floors(layout: Layout, scores: jax.Array, floors: jax.Array, bucket,
   return floors.at[jnp.where(mask, bucket, floors.shape[0])].set(lowest, mode="drop")
 
 
-def _evict_reference(layout, flat, scores, floors, words, pending, new_score, named, window, capacity) -> Outcome:
+def _choose(layout, flat, scores, floors, row_words, home, taken, window):
+  """Each row's victim, its score, and the slot its key takes (-1: none), in windows of ``window``."""
+  size = layout.bucket_size
+  bucket = windows(layout, row_words, window)  # [R, 2 * window]
+
+  # Scores alone decide: a free slot scores _NO_SCORE (the table keeps it so), never lower.
+  if taken is None and floors.shape[0]:  # the first bucket of lowest floor, then its first lowest slot
+    victim_bucket = _chosen(bucket, jnp.argmin(floors[bucket], axis=-1))
+    bucket_scores = layout.bucket_rows(scores, victim_bucket)  # [R, size]
+    offset = jnp.argmin(bucket_scores, axis=-1)
+    victim, victim_score = victim_bucket * size + offset.astype(jnp.int32), _chosen(bucket_scores, offset)
+  else:  # every candidate is read (named entries protected by position)
+    rows = row_words.shape[0]
+    candidate = (bucket[:, :, None] * size + jnp.arange(size, dtype=jnp.int32)).reshape(rows, -1)
+    candidate_score = layout.bucket_rows(scores, bucket).reshape(rows, -1)
+    if taken is not None:
+      candidate_score = jnp.where(_among(candidate, taken), _NO_SCORE, candidate_score)
+    choice = jnp.argmin(candidate_score, axis=-1)  # the first minimum
+    victim, victim_score = _chosen(candidate, choice), _chosen(candidate_score, choice)
+  # Where the key goes: the first bucket of its first window with a free slot, the free slot its
+  # lane picks there (as placing.py: keys sharing the bucket rarely pick the same slot); else
+  # the victim's slot if it is in that window.
+  free = ~layout.occupancy(flat[layout.column(bucket[:, :window], layout.mask_column)])  # [R, window, size]
+  room = jnp.any(free, axis=-1)
+  first = jnp.argmax(room, axis=-1)
+  free = _chosen(free, first)  # [R, size]
+  lane = (hash_words(row_words, seed=constants.LANE_SEED) * np.uint32(constants.GOLDEN_MIX)) >> 16
+  nth = lane % jnp.maximum(jnp.sum(free, axis=-1, dtype=jnp.uint32), 1)
+  offset = jnp.argmax(free & (jnp.cumsum(free, axis=-1, dtype=jnp.uint32) == (nth + 1)[:, None]), axis=-1)
+  first_free = _chosen(bucket, first) * size + offset.astype(jnp.int32)
+  in_first = (victim // size - home) % layout.num_buckets < window
+  slot = jnp.where(jnp.any(room, axis=-1), first_free, jnp.where(in_first, victim, -1))
+  return victim, victim_score, slot
+
+
+def _evict_reference(
+  layout, flat, scores, floors, words, pending, new_score, named, window, capacity
+) -> Outcome:
   """:func:`evict` in data-parallel rounds: the GPU/TPU path and the kernel's reference."""
-  if window is not None:
-    return _rounds(layout, flat, scores, floors, words, pending, new_score, named, window)
-
-  def rounds(width):
-    return lambda flat, scores, floors: _rounds(layout, flat, scores, floors, words, pending, new_score, named, width)
-
-  index = auto_window(jnp.sum(pending, dtype=jnp.int32), capacity)
-  return lax.switch(index, [rounds(width) for width in AUTO_WINDOWS], flat, scores, floors)
-
-
-def _rounds(layout, flat, scores, floors, words, pending, new_score, named, window) -> Outcome:
-  """The rounds of :func:`evict` with windows of ``window`` buckets."""
   n, size = words.shape[0], layout.bucket_size
   taken = None if named is None else jnp.sort(named)
+  # Per-call windows: each round picks the choice of its width (reading the table, not writing it,
+  # so that no branch holds a copy of the records).
+  width = None if window is not None else auto_window(jnp.sum(pending, dtype=jnp.int32), capacity)
+
+  def choose(flat, scores, floors, row_words, home):
+    if width is None:
+      return _choose(layout, flat, scores, floors, row_words, home, taken, window)
+    branches = [functools.partial(_choose, layout, taken=taken, window=w) for w in AUTO_WINDOWS]
+    return lax.switch(width, branches, flat, scores, floors, row_words, home)
 
   def round_(state, rows, target):
     rounds, flat, scores, floors, out, pending = state
@@ -215,37 +254,7 @@ def _rounds(layout, flat, scores, floors, words, pending, new_score, named, wind
     active = pending[rows] & (target < n)
     row_words = words[rows]
     home = layout.home(row_words)
-    bucket = windows(layout, row_words, window)  # [R, 2 * window]
-
-    def chosen(x, at):
-      return jnp.take_along_axis(x, at.reshape(-1, *[1] * (x.ndim - 1)), axis=1)[:, 0]
-
-    # Scores alone decide: a free slot scores _NO_SCORE (the table keeps it so), never lower.
-    if taken is None and floors.shape[0]:  # the first bucket of lowest floor, then its first lowest slot
-      victim_bucket = chosen(bucket, jnp.argmin(floors[bucket], axis=-1))
-      bucket_scores = layout.bucket_rows(scores, victim_bucket)  # [R, size]
-      offset = jnp.argmin(bucket_scores, axis=-1)
-      victim, victim_score = victim_bucket * size + offset.astype(jnp.int32), chosen(bucket_scores, offset)
-    else:  # every candidate is read (named entries protected by position)
-      candidate = (bucket[:, :, None] * size + jnp.arange(size, dtype=jnp.int32)).reshape(rows.shape[0], -1)
-      candidate_score = layout.bucket_rows(scores, bucket).reshape(rows.shape[0], -1)
-      if taken is not None:
-        candidate_score = jnp.where(_among(candidate, taken), _NO_SCORE, candidate_score)
-      choice = jnp.argmin(candidate_score, axis=-1)  # the first minimum
-      victim, victim_score = chosen(candidate, choice), chosen(candidate_score, choice)
-    # Where the key goes: the first bucket of its first window with a free slot, the free slot its
-    # lane picks there (as placing.py: keys sharing the bucket rarely pick the same slot); else
-    # the victim's slot if it is in that window.
-    free = ~layout.occupancy(flat[layout.column(bucket[:, :window], layout.mask_column)])  # [R, window, size]
-    room = jnp.any(free, axis=-1)
-    first = jnp.argmax(room, axis=-1)
-    free = chosen(free, first)  # [R, size]
-    lane = (hash_words(row_words, seed=constants.LANE_SEED) * np.uint32(constants.GOLDEN_MIX)) >> 16
-    nth = lane % jnp.maximum(jnp.sum(free, axis=-1, dtype=jnp.uint32), 1)
-    offset = jnp.argmax(free & (jnp.cumsum(free, axis=-1, dtype=jnp.uint32) == (nth + 1)[:, None]), axis=-1)
-    first_free = chosen(bucket, first) * size + offset.astype(jnp.int32)
-    in_first = (victim // size - home) % layout.num_buckets < window
-    slot = jnp.where(jnp.any(room, axis=-1), first_free, jnp.where(in_first, victim, -1))
+    victim, victim_score, slot = choose(flat, scores, floors, row_words, home)
     can = active & (victim_score < new_score[rows]) & (slot >= 0)
     scratch = claims.scratch_size(rows.shape[0], constants.EVICTION_CELLS_PER_ROW)
     winner = claims.lowest_writer(claims.cell_of(victim, rounds, scratch), can, scratch)
@@ -257,7 +266,7 @@ def _rounds(layout, flat, scores, floors, words, pending, new_score, named, wind
     by_slot = jnp.argsort(placed_slots).astype(jnp.int32)
     at = jnp.clip(jnp.searchsorted(placed_slots[by_slot], victim), 0, n - 1)
     before = jnp.where(won & (placed_slots[by_slot[at]] == victim), by_slot[at], -1)
-    victim_words = chosen(layout.keys_of(layout.records(flat, victim // size)), victim % size)
+    victim_words = _chosen(layout.keys_of(layout.records(flat, victim // size)), victim % size)
     victim_row = layout.row_of(flat, victim)
     flat = layout.unset(flat, victim, won)
     flat = layout.shift_overflow(flat, layout.home(victim_words), victim, won, -1)
@@ -314,6 +323,11 @@ def _rounds(layout, flat, scores, floors, words, pending, new_score, named, wind
   )
   _, flat, scores, floors, out, _ = lax.while_loop(lambda s: jnp.any(s[-1]), later_round, state)
   return out._replace(flat=flat, scores=scores, floors=floors)
+
+
+def _chosen(x: jax.Array, at: jax.Array) -> jax.Array:
+  """``x[r, at[r]]`` for each row ``r``."""
+  return jnp.take_along_axis(x, at.reshape(-1, *[1] * (x.ndim - 1)), axis=1)[:, 0]
 
 
 def _among(candidate: jax.Array, taken: jax.Array) -> jax.Array:

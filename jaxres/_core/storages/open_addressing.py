@@ -133,7 +133,9 @@ class OpenAddressingTable(Storage):
     """
     capacity = check_capacity(capacity)
     if eviction_window is not None:
-      eviction_window = check_int(eviction_window, "eviction_window", low=1, high=constants.MAX_EVICTION_WINDOW)
+      eviction_window = check_int(
+        eviction_window, "eviction_window", low=1, high=constants.MAX_EVICTION_WINDOW
+      )
     eviction = check_policy(eviction)
     key_spec, value_spec, default = cls._specs(key, value, default)
     if bucket_size is None:
