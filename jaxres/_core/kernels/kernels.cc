@@ -1214,12 +1214,6 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
       }
     }
     const uint32_t all_slots = size >= 32 ? UINT32_MAX : (1u << size) - 1u;
-    // Calls f(b) for the buckets of row i's windows, in the order candidates rank (no division).
-    const auto for_each_bucket = [&](int64_t i, const auto& f) {
-      for (const int64_t start : {home[i], second[i]}) {
-        for (int64_t w = 0, b = start; w < window; ++w, b = t.next(b)) f(b);
-      }
-    };
     const auto floor_of = [&](int64_t b) {
       const uint32_t* s = scores + b * size;
       uint32_t lowest = s[0];
@@ -1239,7 +1233,8 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
         choice = k;
       }
     };
-    // Calls f(a, len) for the runs of buckets of row i's windows, in the order candidates rank.
+    // Calls f(a, len) for the runs of consecutive buckets of row i's windows, in the order candidates
+    // rank (a window wraps past the last bucket; no division).
     const auto for_each_run = [&](int64_t i, const auto& f) {
       for (const int64_t start : {home[i], second[i]}) {
         for (int64_t a = start, left = window; left > 0; a = 0) {
@@ -1255,12 +1250,12 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
     const bool with_floors = floors_in.element_count() > 0;
     const uint32_t* per_bucket = with_floors ? floors : scores;
     const int64_t stride = with_floors ? 1 : size;
-    const auto fetch_candidates = [&](int64_t i) {
-      for (const int64_t start : {home[i], second[i]}) {
-        for (int64_t w = 0, b = start; w < window; ++w, b = t.next(b)) {
-          if (w == 0 || (b * stride) % 16 == 0) __builtin_prefetch(per_bucket + b * stride);
+    const auto fetch_candidates = [&](int64_t i) {  // each run's first line and those it starts
+      for_each_run(i, [&](int64_t a, int64_t len) {
+        for (int64_t b = a; b < a + len; ++b) {
+          if (b == a || (b * stride) % 16 == 0) __builtin_prefetch(per_bucket + b * stride);
         }
-      }
+      });
     };
     std::vector<int64_t> rows, cells, lowest_bucket;
     std::vector<int32_t> victim, target, writer, taker;
@@ -1293,8 +1288,8 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
         } else if (!protect) {
           for_each_run(i, [&](int64_t a, int64_t len) { lower_in(scores, a * size, len * size, best, choice); });
         } else {  // named entries are not candidates
-          for_each_bucket(i, [&](int64_t b) {
-            for (int64_t s = b * size; s < (b + 1) * size; ++s) {
+          for_each_run(i, [&](int64_t a, int64_t len) {
+            for (int64_t s = a * size; s < (a + len) * size; ++s) {
               if (scores[s] < best && taken.get(static_cast<int32_t>(s)) < 0) {
                 best = scores[s];
                 choice = s;

@@ -238,15 +238,15 @@ def _evict_reference(
   """:func:`evict` in data-parallel rounds: the GPU/TPU path and the kernel's reference."""
   n, size = words.shape[0], layout.bucket_size
   taken = None if named is None else jnp.sort(named)
-  # Per-call windows: each round picks the choice of its width (reading the table, not writing it,
-  # so that no branch holds a copy of the records).
-  width = None if window is not None else auto_window(jnp.sum(pending, dtype=jnp.int32), capacity)
+  # Per-call windows: each round switches on the window for the choice alone, which reads the table
+  # and writes none of it, so that no branch holds a copy of the records.
+  per_call = None if window is not None else auto_window(jnp.sum(pending, dtype=jnp.int32), capacity)
 
   def choose(flat, scores, floors, row_words, home):
-    if width is None:
+    if per_call is None:
       return _choose(layout, flat, scores, floors, row_words, home, taken, window)
     branches = [functools.partial(_choose, layout, taken=taken, window=w) for w in AUTO_WINDOWS]
-    return lax.switch(width, branches, flat, scores, floors, row_words, home)
+    return lax.switch(per_call, branches, flat, scores, floors, row_words, home)
 
   def round_(state, rows, target):
     rounds, flat, scores, floors, out, pending = state
