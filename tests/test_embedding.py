@@ -164,7 +164,8 @@ def test_training_in_nnx_jit_persists_updates_and_matches_eager():
 def test_admission_eviction_and_counters_follow_their_definitions():
   """An oracle of occurrences: an id gets its row at its second occurrence, in batch order."""
   emb = _embedding(4, eviction=jr.LRU(), min_count=2, admission_capacity=64)
-  counts, expected = collections.Counter(), {"admitted": 0, "refused": 0, "evictions": 0}
+  counts = collections.Counter()
+  expected = {"admitted": 0, "refused": 0, "unadmitted": 0, "full": 0, "evictions": 0}
   for ids, _ in _batches(seed=4, steps=12, size=6, pool=POOL[:10]):
     before = set(_rows(emb))
     occurrence = []  # each row's occurrence number of its id, for ids without a row
@@ -190,8 +191,11 @@ def test_admission_eviction_and_counters_follow_their_definitions():
     expected["admitted"] += len(after - before)
     expected["evictions"] += len(before - after)
     expected["refused"] += int((~present).sum())
+    waiting = np.array(occurrence) < 2  # refused before their second occurrence: not admitted yet
+    expected["unadmitted"] += int((~present & waiting).sum())
+    expected["full"] += int((~present & ~waiting).sum())  # admitted, and refused by the full table
     assert emb.stats() == expected
-  assert expected["evictions"] > 0 and expected["refused"] > 0
+  assert expected["evictions"] > 0 and expected["unadmitted"] > 0
 
 
 def test_refused_ids_get_no_update_and_a_full_table_without_eviction_refuses():
@@ -404,6 +408,8 @@ def test_occurrences_within_a_batch_count_in_batch_order():
   assert rows[3].tobytes() == rows[4].tobytes() and emb.stats() == {
     "admitted": 1,
     "refused": 3,
+    "unadmitted": 3,
+    "full": 0,
     "evictions": 0,
   }
   rows = np.asarray(emb(np.array([6, 6], np.int64)))  # 6 was seen once before

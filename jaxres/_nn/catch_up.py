@@ -113,6 +113,23 @@ class CatchUpAdam:
     """The row optimizer of rows of ``features`` values."""
     return RowAdam(self, features)
 
+  def init(self, params):
+    """Raises ``TypeError``: a row optimizer is not an optax transformation (``nnx.Optimizer`` calls this)."""
+    del params
+    raise TypeError(_NOT_OPTAX)
+
+  def update(self, updates, state, params=None):
+    """Raises ``TypeError``, as :meth:`init`."""
+    del updates, state, params
+    raise TypeError(_NOT_OPTAX)
+
+
+_NOT_OPTAX = (
+  "jr.CatchUpAdam is a row optimizer, not an optax transformation: give it to "
+  "jr.DynamicEmbedding(optimizer=...) or jr.TableConfig(optimizer=...), which keep its state with each "
+  "row; for dense parameters (nnx.Optimizer, optax.chain) use optax.adam."
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class RowAdam:

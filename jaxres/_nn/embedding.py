@@ -2,30 +2,25 @@
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from jaxres._core import constants
-from jaxres._core.encoding.hashing import hash_words
-from jaxres._core.kernels import grouping
 from jaxres._core.policies import check_policy
 from jaxres._core.sharding.sharded_table import ShardedTable
 from jaxres._core.storages.open_addressing import OpenAddressingTable
-from jaxres._core.table import Table, check_capacity
+from jaxres._core.table import check_capacity
 from jaxres._errors import check_int
-from jaxres._nn import admission, rowwise
-from jaxres._nn.catch_up import RowAdam
+from jaxres._nn import admission, counters, embedding_steps, pooling, row_gradients, rowwise
+from jaxres._nn.embedding_steps import Spec, replicated
+from jaxres._nn.row_gradients import Lookup
 
 _INITIALIZER = nnx.initializers.normal(0.01)
-_STATS = ("admitted", "refused", "evictions")
 
 
 class EmbeddingState(nnx.Variable):
@@ -51,6 +46,15 @@ class EmbeddingStep(EmbeddingState):
   """
 
 
+class EmbeddingCounters(EmbeddingState):
+  """An embedding's counters (:mod:`jaxres._nn.counters`): ids admitted, lookups refused, ids evicted.
+
+  Its metadata ``admits`` (``min_count > 1``) says how to read a checkpoint
+  written before refusals were split by cause (see
+  :func:`~jaxres._nn.counters.split_refusals`).
+  """
+
+
 class RecentRows(nnx.Variable):
   """The rows the last lookup found, kept for :meth:`DynamicEmbedding.apply_gradients` (not checkpointed).
 
@@ -63,19 +67,6 @@ class RecentRows(nnx.Variable):
   checkpointed = False  # derived within a step: checkpoints leave it out (see jaxres._integrations.nnx)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Spec:
-  """What the jitted steps need to know, static."""
-
-  optimizer: rowwise.RowOptimizer | RowAdam
-  initializer: Callable
-  min_count: int
-
-  @property
-  def features(self) -> int:
-    return self.optimizer.features
-
-
 class DynamicEmbedding(nnx.Module):
   """An embedding whose rows are given to ids as they arrive and trained by a row-wise optimizer.
 
@@ -83,10 +74,11 @@ class DynamicEmbedding(nnx.Module):
   :class:`jaxres.ShardedTable` over ``mesh``) maps each id to its value: the
   embedding row **and the row's optimizer state** (Adam's ``mu``, ``nu`` and
   its own ``count``). Calling the module looks ids up and gives new ids rows;
-  :meth:`apply_gradients` updates the rows of a batch's ids only. Both cost
-  O(batch), whatever the capacity, eagerly and inside ``nnx.jit`` (donate the
-  model, ``nnx.jit(..., donate_argnums=0)``, so the table is updated in
-  place).
+  the rows looked up are trained by differentiating with
+  :func:`jaxres.value_and_grad` (the plain NNX step), or by
+  :meth:`apply_gradients`. Both cost O(batch), whatever the capacity, eagerly
+  and inside ``nnx.jit`` (donate the model, ``nnx.jit(..., donate_argnums=0)``,
+  so the table is updated in place).
 
   - **New ids.** An id's first row is ``initializer(key, (features,))`` with a
     key derived from the seed and the id alone: the same row whatever the
@@ -103,11 +95,16 @@ class DynamicEmbedding(nnx.Module):
   - **Refused ids** (not admitted yet, or a full table without eviction)
     read zeros and get no update; an evicted or refused id that comes back
     starts afresh.
+  - **Weights** (``emb(ids, weights)``, a padded multi-hot batch): a weight
+    of 0 marks padding, which is not looked up, inserted, counted or
+    trained and reads zeros; every other row comes back scaled by its
+    weight (so its gradient is too), for the caller to pool
+    (:class:`jaxres.EmbeddingCollection` pools them itself).
   - **Shared rows** (``oov_buckets=n``): an id without a row of its own
     (not admitted yet, refused, evicted; in inference mode too) reads one
     of ``n`` shared rows, chosen by a hash of the id, instead of zeros, and
-    :meth:`apply_gradients` trains that row with the summed gradients of
-    the ids that read it (each with its own optimizer state, as any row):
+    its gradients train that row, summed with those of the other ids that
+    read it (each shared row with its own optimizer state, as any row):
     the tail of the ids gets a trained, hashed embedding while frequent ids
     get their own. The shared rows are replicated on every device of
     ``mesh``, checkpointed and exported with the module.
@@ -120,7 +117,7 @@ class DynamicEmbedding(nnx.Module):
       pairs inside ``jit``), ``int32``, ``uint32`` or ``uint64``.
     optimizer: an elementwise ``optax.GradientTransformation`` (``sgd``,
       ``adam``, ``adagrad``, ``rmsprop``, ``lion``, chains of them), applied to
-      each row with its own state.
+      each row with its own state, or :class:`jaxres.CatchUpAdam`.
     eviction: ``None``, ``jr.LRU()`` or ``jr.LFU()``.
     min_count: occurrences an id needs to get a row (1: at once).
     initializer: ``initializer(key, shape, dtype)``, as ``nnx.initializers``
@@ -139,6 +136,7 @@ class DynamicEmbedding(nnx.Module):
       ids, rows, scores and counters are kept, and every row's optimizer
       state starts afresh, as a new row's does. Without it such a
       checkpoint is a ``TypeError`` saying so.
+    name: how messages name the embedding (default: its ``repr``).
 
   Examples:
     >>> import numpy as np, optax, jaxres as jr
@@ -151,8 +149,11 @@ class DynamicEmbedding(nnx.Module):
     >>> emb.apply_gradients(ids, np.ones((3, 2), np.float32))   # 7 twice: its gradient is 2
     >>> np.allclose(emb(ids) - rows, [[-2, -2], [-1, -1], [-2, -2]])
     True
+    >>> padded = emb(np.array([7, 9]), weights=np.array([0.5, 0.0]))   # 9 is padding
+    >>> np.allclose(padded, [0.5 * emb(np.array([7]))[0], [0, 0]]), emb.size()
+    (True, 2)
     >>> emb.stats()
-    {'admitted': 2, 'refused': 0, 'evictions': 0}
+    {'admitted': 2, 'refused': 0, 'unadmitted': 0, 'full': 0, 'evictions': 0}
   """
 
   def __init__(
@@ -172,6 +173,7 @@ class DynamicEmbedding(nnx.Module):
     deterministic: bool = False,
     restore_rows_only: bool = False,
     oov_buckets: int = 0,
+    name: str | None = None,
   ):
     capacity = check_capacity(capacity)
     oov_buckets = check_int(oov_buckets, "oov_buckets", low=0)
@@ -190,7 +192,12 @@ class DynamicEmbedding(nnx.Module):
       raise TypeError(f"deterministic: expected a bool, got {deterministic!r}.")
     if not isinstance(restore_rows_only, bool):
       raise TypeError(f"restore_rows_only: expected a bool, got {restore_rows_only!r}.")
+    if name is not None and not isinstance(name, str):
+      raise TypeError(f"name: expected a str, got {name!r}.")
     optimizer = rowwise.for_rows(optimizer, features)
+    room = (
+      capacity if admission_capacity is None else check_capacity(admission_capacity, "admission_capacity")
+    )
     value = {"row": jax.ShapeDtypeStruct((features,), jnp.float32), "slots": optimizer.slots}
     default = jax.tree.map(lambda _: 0, value)
     if mesh is None:
@@ -199,59 +206,87 @@ class DynamicEmbedding(nnx.Module):
       table = ShardedTable.create(
         mesh, axis, capacity, key=key, value=value, default=default, eviction=eviction
       )
-    self._spec = _Spec(optimizer, initializer, min_count)
-    self.capacity, self.features = capacity, features
+    self._spec = Spec(optimizer, initializer, min_count)
+    self.capacity, self.features, self.name = capacity, features, name
     self.table = EmbeddingRows(table, row_optimizer=optimizer, restore_rows_only=restore_rows_only)
-    room = (
-      capacity if admission_capacity is None else check_capacity(admission_capacity, "admission_capacity")
-    )
     self.counts = EmbeddingState(admission.counter(room, key)) if min_count > 1 else None
     self.seed = EmbeddingState(jax.random.key_data(rngs.params()))
-    self.counters = EmbeddingState(jnp.zeros((len(_STATS), 2), jnp.uint32))  # 64-bit: (high, low) words
-    shared = _shared_rows(self._spec, self.seed.get_value(), oov_buckets) if oov_buckets else None
+    self.counters = EmbeddingCounters(counters.zeros(), admits=min_count > 1)
+    seed = self.seed.get_value()
+    shared = embedding_steps.shared_rows(self._spec, seed, oov_buckets) if oov_buckets else None
     mesh = None if mesh is None else table.mesh  # the table's: its axes in Auto mode, as jit returns
-    shared = _replicated(shared, mesh)  # every device reads them: a copy on each
+    shared = replicated(shared, mesh)  # every device reads them: a copy on each
     self.shared = None if shared is None else EmbeddingState(shared)
-    step = _replicated(jnp.zeros((), jnp.int32), mesh) if optimizer.needs_step else None
+    step = replicated(jnp.zeros((), jnp.int32), mesh) if optimizer.needs_step else None
     self.step = None if step is None else EmbeddingStep(step, restore_rows_only=restore_rows_only)
     self.recent = RecentRows(None)
     self.deterministic = deterministic
 
-  def __call__(self, ids) -> jax.Array:
+  def __call__(self, ids, weights=None) -> jax.Array:
     """``float32[*batch, features]``: the rows of ``ids``, new ids given rows (where refused: zeros,
     or their shared row with ``oov_buckets``).
 
+    In training mode, inside :func:`jaxres.value_and_grad` (or
+    :func:`jaxres.grad`), the rows returned take a step of the row optimizer
+    with their gradients; inside plain ``nnx.value_and_grad`` (or ``jax.grad``),
+    which would leave them untrained, it is a ``ValueError`` naming the
+    embedding and :func:`jaxres.value_and_grad`.
     In inference mode (:attr:`deterministic`, set by ``model.eval()``) a pure
     read: ids without a row read zeros (or their shared row) and nothing in
     the module changes.
+
+    Args:
+      ids: ``key[*batch]`` (``uint32[*batch, 2]`` word pairs for 64-bit ids
+        inside ``jit`` with ``jax_enable_x64`` off).
+      weights: optional ``float[*batch]``: each row comes back scaled by its
+        weight; a weight of 0 marks padding (not looked up, inserted,
+        counted or trained; reads zeros).
+
+    Raises:
+      TypeError, ValueError: ids of another dtype, weights of another shape
+        or dtype, or negative (nothing in the module changes).
     """
     table = self.table.get_value()
     words, batch = table.key_spec.encode(ids, "ids")
+    weights = pooling.check_weights(weights, batch, "weights")
+    flat = words.reshape(-1, table.key_spec.num_words)
+    valid = None if weights is None else weights.reshape(-1) != 0
+    rows = self.lookup_words(flat, valid).reshape(*batch, self.features)
+    return rows if weights is None else rows * weights[..., None]
+
+  def lookup_words(self, words: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+    """``float32[N, features]``: the rows of the ids of key words ``words`` (``uint32[N, W]``,
+    from the table's ``key_spec``), not scaled; ``valid`` (``bool[N]``) marks those that are not padding.
+
+    The lookup :meth:`__call__` makes (and :class:`jaxres.EmbeddingCollection`,
+    once per table for all its features): in training mode it gives new ids
+    rows and records the rows it located for their step.
+    """
+    table = self.table.get_value()
     shared = None if self.shared is None else self.shared.get_value()
     if self.deterministic:
-      flat = words.reshape(-1, table.key_spec.num_words)
-      return _read(table, shared, flat).reshape(*batch, self.features)
-    if not words.size:
-      return jnp.zeros((*batch, self.features), jnp.float32)
+      return embedding_steps.read(table, shared, words, valid)
+    if not words.shape[0]:
+      return jnp.zeros((0, self.features), jnp.float32)
+    tape = row_gradients.active()
+    if tape is None:
+      row_gradients.refuse_if_differentiated(self._untrained_message())
+    else:
+      tape.admit(self)
     counts = None if self.counts is None else self.counts.get_value()
-    flat = words.reshape(-1, words.shape[-1])
-    table, counts, counters, rows, recent = _embed(
-      self._spec,
-      table,
-      counts,
-      self.counters.get_value(),
-      self.seed.get_value(),
-      flat,
-      shared,
+    table, counts, tallies, rows, lookup, clock = embedding_steps.embed(
+      self._spec, table, counts, self.counters.get_value(), self.seed.get_value(), words, valid, shared
     )
     self.table.set_value(table)
     if counts is not None:
       self.counts.set_value(counts)
-    self.counters.set_value(counters)
-    self.recent.set_value(recent)
-    return rows.reshape(*batch, self.features)
+    self.counters.set_value(tallies)
+    if tape is not None:
+      return tape.record(self, rows, lookup)
+    self.recent.set_value((lookup.words, lookup.index, clock))
+    return rows
 
-  def apply_gradients(self, ids, row_grads) -> None:
+  def apply_gradients(self, ids, row_grads, weights=None) -> None:
     """One optimizer step on the rows of ``ids``, with the gradients of those rows.
 
     Gradients of an id that occurs several times are summed (in a fixed
@@ -266,18 +301,17 @@ class DynamicEmbedding(nnx.Module):
 
     Args:
       ids: the ids of the rows (as for calling the module).
-      row_grads: ``float[*batch, features]``, e.g. the gradient of the loss
-        with respect to the rows the module returned.
+      row_grads: ``float[*batch, features]``, the gradient of the loss with
+        respect to the rows the module returned.
+      weights: the weights of the lookup, if it had any: the rows came back
+        scaled by them (so their gradients are scaled alike), and padding
+        (weight 0) is not trained.
 
     Raises:
-      TypeError, ValueError: ids or gradients of the wrong dtype or shape
-        (the table is unchanged); ``ValueError`` in inference mode.
+      TypeError, ValueError: ids, gradients or weights of the wrong dtype or
+        shape (the table is unchanged); ``ValueError`` in inference mode.
     """
-    if self.deterministic:
-      raise ValueError(
-        "apply_gradients: the embedding is in inference mode (deterministic=True), where nothing "
-        "changes it; call model.train() (or set deterministic=False) to train."
-      )
+    self._check_training("apply_gradients")
     table = self.table.get_value()
     words, batch = table.key_spec.encode(ids, "ids")
     grads = jnp.asarray(row_grads) if not isinstance(row_grads, jax.Array) else row_grads
@@ -287,21 +321,61 @@ class DynamicEmbedding(nnx.Module):
       raise ValueError(
         f"row_grads: expected shape {(*batch, self.features)} (one row per id), got {tuple(grads.shape)}."
       )
+    weights = pooling.check_weights(weights, batch, "weights")
     recent = self.recent.get_value()
     self.recent.set_value(None)
     if not words.size:
       return
-    flat = grads.reshape(-1, self.features).astype(jnp.float32)
+    grads = grads.astype(jnp.float32)
+    valid = None
+    if weights is not None:
+      grads, valid = grads * weights[..., None], (weights != 0).reshape(-1)
+    flat = words.reshape(-1, words.shape[-1])
+    self._step(flat, grads.reshape(-1, self.features), embedding_steps.rows_of(table, flat, recent), valid)
+
+  def step_rows(self, lookups: Sequence[Lookup], grads: Sequence[jax.Array]) -> None:
+    """One optimizer step on the rows of ``lookups`` (made in a function :func:`jaxres.value_and_grad`
+    differentiated), with their gradients (``float32[N, features]`` each): what
+    :func:`jaxres.value_and_grad` calls.
+
+    A single lookup's rows are those it located; the ids of several are found again.
+    """
+    self._check_training("step_rows")
+    if len(lookups) != len(grads) or not lookups:
+      raise ValueError(f"step_rows: expected a gradient per lookup, got {len(grads)} for {len(lookups)}.")
+    words = jnp.concatenate([lookup.words for lookup in lookups])
+    if not words.shape[0]:
+      return
+    index = lookups[0].index if len(lookups) == 1 else None
+    valid = jnp.concatenate([lookup.valid for lookup in lookups])
+    self._step(words, jnp.concatenate([g.reshape(-1, self.features) for g in grads]), index, valid)
+
+  def _step(self, words, grads, index, valid) -> None:
     shared = None if self.shared is None else self.shared.get_value()
     step = None if self.step is None else self.step.get_value()
-    table, shared, step = _update(
-      self._spec, table, shared, step, words.reshape(-1, words.shape[-1]), flat, recent
+    table, shared, step = embedding_steps.update(
+      self._spec, self.table.get_value(), shared, step, words, grads, index, valid
     )
     self.table.set_value(table)
     if shared is not None:
       self.shared.set_value(shared)
     if step is not None:
       self.step.set_value(step)
+
+  def _check_training(self, method: str) -> None:
+    if self.deterministic:
+      raise ValueError(
+        f"{method}: the embedding is in inference mode (deterministic=True), where nothing "
+        "changes it; call model.train() (or set deterministic=False) to train."
+      )
+
+  def _untrained_message(self) -> str:
+    return (
+      f"{self.name or repr(self)} looked up ids in training mode inside a function differentiated by "
+      "nnx.value_and_grad, nnx.grad or jax.grad, which would leave its rows untrained: differentiate with "
+      "jr.value_and_grad (or jr.grad), which takes the same arguments and also steps the rows looked up, "
+      "or look the ids up outside the differentiated function and call apply_gradients."
+    )
 
   # ------------------------------------------------------------- reading
 
@@ -319,9 +393,14 @@ class DynamicEmbedding(nnx.Module):
     return ids[order], rows[order]
 
   def stats(self) -> dict[str, int]:
-    """``{"admitted", "refused", "evictions"}``: ids given rows, lookups given none, ids evicted."""
-    words = np.asarray(jax.device_get(self.counters.get_value())).astype(np.uint64)
-    return {name: int((high << np.uint64(32)) | low) for name, (high, low) in zip(_STATS, words)}
+    """``{"admitted", "refused", "unadmitted", "full", "evictions"}``: ids given rows; lookups given
+    none, in all, while waiting for ``min_count`` and for a full table; ids evicted."""
+    return counters.read(self.counters.get_value())
+
+  @property
+  def key_spec(self):
+    """How ids are encoded as key words (``uint32[*batch, W]``): the table's."""
+    return self.table.get_value().key_spec
 
   @property
   def eviction(self):
@@ -343,137 +422,3 @@ class DynamicEmbedding(nnx.Module):
       f"jr.DynamicEmbedding(capacity={self.capacity}, features={self.features}, "
       f"eviction={self.eviction}, min_count={self.min_count}{shared})"
     )
-
-
-def _add64(words: jax.Array, amounts: jax.Array) -> jax.Array:
-  """64-bit counters as ``(high, low)`` uint32 words, plus non-negative int32 ``amounts``."""
-  low = words[:, 1] + amounts.astype(jnp.uint32)
-  high = words[:, 0] + (low < words[:, 1]).astype(jnp.uint32)
-  return jnp.stack([high, low], axis=1)
-
-
-def _initial_values(spec: _Spec, seed: jax.Array, words: jax.Array, new: jax.Array) -> dict:
-  """The row and optimizer state each new id starts with: a function of the seed and the id alone.
-
-  Only the ``new`` rows need one, and drawing a row costs a random key per
-  id: the rows are drawn for the smallest of a few batch fractions that holds
-  every new row (a warm table has few), and other rows get zeros, which nothing reads.
-  """
-  base = jax.random.wrap_key_data(seed)
-
-  def row(id_words):
-    key = base
-    for w in range(id_words.shape[0]):
-      key = jax.random.fold_in(key, id_words[w])
-    return spec.initializer(key, (spec.features,), jnp.float32)
-
-  n = words.shape[0]
-  sizes = sorted({max(1, n >> shift) for shift in (6, 4, 2)} - {n})
-
-  def some(size):
-    def draw():
-      (index,) = jnp.nonzero(new, size=size, fill_value=n)
-      drawn = jax.vmap(row)(words[jnp.minimum(index, n - 1)])
-      return jnp.zeros((n, spec.features), jnp.float32).at[index].set(drawn, mode="drop")
-
-    return draw
-
-  count = jnp.sum(new, dtype=jnp.int32)
-  branch = jnp.sum(count > jnp.array(sizes, jnp.int32), dtype=jnp.int32)
-  rows = jax.lax.switch(branch, [*(some(size) for size in sizes), lambda: jax.vmap(row)(words)])
-  return {"row": rows, "slots": tuple(spec.optimizer.init(rows))}
-
-
-def _shared_rows(spec: _Spec, seed: jax.Array, n: int) -> dict:
-  """``n`` shared rows and their optimizer state, drawn from the seed (apart from any id's row)."""
-  key = jax.random.fold_in(jax.random.wrap_key_data(seed), constants.SHARED_ROW_SEED)
-  rows = spec.initializer(key, (n, spec.features), jnp.float32)
-  return {"row": rows, "slots": tuple(spec.optimizer.init(rows))}
-
-
-def _shared_of(words: jax.Array, shared: dict) -> jax.Array:
-  """``int32[N]``: the shared row each id reads (a hash of its words)."""
-  n = shared["row"].shape[0]
-  return (hash_words(words, seed=constants.SHARED_ROW_SEED) % jnp.uint32(n)).astype(jnp.int32)
-
-
-def _with_shared(rows: jax.Array, present: jax.Array, words: jax.Array, shared: dict | None) -> jax.Array:
-  """``rows`` where ``present``; elsewhere each id's shared row, or zeros without any."""
-  other = 0.0 if shared is None else shared["row"][_shared_of(words, shared)]
-  return jnp.where(present[:, None], rows, other)
-
-
-# The module's arrays are donated: an eager call updates them in place (under jit, the caller donates).
-@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("table", "counts", "counters"))
-def _embed(spec: _Spec, table: Table, counts, counters, seed, words, shared):
-  """One lookup: ``(table, counts, counters, rows, recent)``, each id located once in ``table``.
-
-  ``recent`` is what :class:`RecentRows` keeps: ``(words, index, clock)``.
-  """
-  keys = table.key_spec.decode(words)
-  before = table.size
-  if counts is None:
-    admitted = None
-  else:
-    found = table.find_rows(keys) >= 0
-    counts, admitted = admission.admit(counts, keys, words, ~found, spec.min_count)
-    admitted = admitted | found
-  table, handles = table.find_or_insert_rows(keys, valid=admitted)
-  index = handles.index
-  initial = _initial_values(spec, seed, words, handles.inserted)
-  table = table.write_rows(index, initial, valid=handles.inserted)
-  # Rows are read after the write, from the array it returns: a read of the array before it
-  # would have to be kept alive next to the written one, and XLA would copy it whole.
-  values = table.read_rows(index)
-  present = index >= 0  # admitted ids only: `valid` masked the others
-  evictions = jnp.sum(handles.evicted.valid & present, dtype=jnp.int32)  # placed ids, their victims reported
-  admitted_ids = table.size - before + evictions
-  refused = jnp.sum(~present, dtype=jnp.int32)
-  counters = _add64(counters, jnp.stack([admitted_ids, refused, evictions]))
-  rows = _with_shared(values["row"], present, words, shared)
-  return table, counts, counters, rows, (words, index, table.clock + jnp.uint32(0))
-
-
-@jax.jit
-def _read(table: Table, shared, words) -> jax.Array:
-  """Inference: the rows of present ids, zeros (or shared rows) elsewhere; only the rows are read."""
-  index = table.find_rows(table.key_spec.decode(words))
-  return _with_shared(table.read_rows(index)["row"], index >= 0, words, shared)
-
-
-@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("table", "shared"))
-def _update(spec: _Spec, table: Table, shared, step, words, grads, recent):
-  """``(table, shared, step)`` after one optimizer step on the rows of ``words``."""
-  step = None if step is None else step + 1
-  index = _rows_of(table, words, recent)
-  rows, total = grouping.group_sums(index, grads)  # each row once, its ids' sum
-  values = table.read_rows(rows)
-  new_rows, slots = spec.optimizer.update(total, values["row"], values["slots"], step)
-  table = table.write_rows(rows, {"row": new_rows, "slots": tuple(slots)}, valid=rows >= 0)
-  if shared is not None:  # the ids without a row of their own train their shared rows alike
-    groups, total = grouping.group_sums(jnp.where(index < 0, _shared_of(words, shared), -1), grads)
-    taken = jnp.maximum(groups, 0)
-    taken_slots = [s[taken] for s in shared["slots"]]
-    new_rows, slots = spec.optimizer.update(total, shared["row"][taken], taken_slots, step)
-    at = jnp.where(groups >= 0, groups, shared["row"].shape[0])  # distinct groups: no conflicting writes
-    shared = {
-      "row": shared["row"].at[at].set(new_rows, mode="drop"),
-      "slots": tuple(s.at[at].set(new, mode="drop") for s, new in zip(shared["slots"], slots)),
-    }
-  return table, shared, step
-
-
-def _replicated(tree, mesh: Mesh | None):
-  """``tree`` with a copy on every device of ``mesh`` (as it is without one)."""
-  if tree is None or mesh is None:
-    return tree
-  return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
-
-
-def _rows_of(table: Table, words, recent) -> jax.Array:
-  """The value rows of ``words``: those of the last lookup when it was of these ids, on this table."""
-  if recent is None or recent[0].shape != words.shape:
-    return table.find_rows(table.key_spec.decode(words))
-  recent_words, index, clock = recent
-  same = jnp.all(recent_words == words) & (clock == table.clock)
-  return jax.lax.cond(same, lambda: index, lambda: table.find_rows(table.key_spec.decode(words)))

@@ -15,14 +15,14 @@ import jaxres as jr
 from jaxres.examples.clicks import ClickModel, ClickStream, DriftStream
 
 
-def loss_fn(model: ClickModel, rows: jax.Array, labels) -> jax.Array:
-  """Mean binary cross-entropy of the click logits computed from embedding rows."""
-  return optax.sigmoid_binary_cross_entropy(model.head(rows), labels).mean()
+def loss_fn(model: ClickModel, ids, labels) -> jax.Array:
+  """Mean binary cross-entropy of the model's click logits."""
+  return optax.sigmoid_binary_cross_entropy(model(ids), labels).mean()
 
 
 @functools.partial(nnx.jit, donate_argnums=(0, 1))
 def train_step(model: ClickModel, optimizer: nnx.Optimizer, ids, labels) -> jax.Array:
-  """One training step; returns the loss.
+  """One training step, the plain NNX step with ``jr.value_and_grad``; returns the loss.
 
   The embedding looks the ids up (new ids get rows), the dense layers take
   an Adam step through ``optimizer``, and the embedding's own row-wise Adam
@@ -31,10 +31,8 @@ def train_step(model: ClickModel, optimizer: nnx.Optimizer, ids, labels) -> jax.
   (``jr.keys.split64``), so 64-bit ids stay exact with ``jax_enable_x64`` off.
   The model and optimizer are donated: their arrays are updated in place.
   """
-  rows = model.embedding(ids)
-  loss, (grads, row_grads) = nnx.value_and_grad(loss_fn, argnums=(0, 1))(model, rows, labels)
+  loss, grads = jr.value_and_grad(loss_fn)(model, ids, labels)
   optimizer.update(model, grads)
-  model.embedding.apply_gradients(ids, row_grads)
   return loss
 
 

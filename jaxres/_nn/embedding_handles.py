@@ -1,12 +1,17 @@
-"""Restoring a :class:`jaxres.DynamicEmbedding` trained with another row optimizer.
+"""How a :class:`jaxres.DynamicEmbedding` restores checkpoints written otherwise than it would save.
 
-A checkpoint stores each row with its optimizer state (``values/row`` and
-``values/slots/<i>`` arrays, see :mod:`jaxres._persistence.saved_entries`).
+**Trained with another row optimizer.** A checkpoint stores each row with
+its optimizer state (``values/row`` and ``values/slots/<i>`` arrays, see
+:mod:`jaxres._persistence.saved_entries`).
 Restored into an embedding whose row optimizer keeps other state, the rows
 (and ids, scores, counters) can be kept and every row's optimizer state
 started afresh: :func:`rows_only` rewrites the arrays so, and the handle
 registered here for :class:`EmbeddingRows` does it when the embedding was
 created with ``restore_rows_only=True``; otherwise it names the option.
+
+**Counters from before refusals were split** by cause (three counters where
+there are four): :class:`CountersHandle` reads them with
+:func:`jaxres._nn.counters.split_refusals`.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxres._integrations.nnx import VariableHandle
-from jaxres._nn.embedding import EmbeddingRows, EmbeddingStep
+from jaxres._nn import counters
+from jaxres._nn.embedding import EmbeddingCounters, EmbeddingRows, EmbeddingStep
 from jaxres._nn.rowwise import RowOptimizer
 from jaxres._persistence.processes import Blocks
 from jaxres._tracking import handles
@@ -103,5 +109,16 @@ class EmbeddingStepHandle(VariableHandle):
     return not self.obj.get_metadata()["restore_rows_only"]
 
 
+class CountersHandle(VariableHandle):
+  """An embedding's counters: restored as any array, or from a checkpoint of three counters."""
+
+  def restore(self, arrays):
+    saved = arrays.get("value")
+    if saved is not None and tuple(np.shape(saved)) == (3, 2):
+      arrays = {"value": counters.split_refusals(np.asarray(saved), self.obj.get_metadata()["admits"])}
+    return super().restore(arrays)
+
+
 handles.register(EmbeddingRows, EmbeddingRowsHandle.of)
 handles.register(EmbeddingStep, EmbeddingStepHandle.of)
+handles.register(EmbeddingCounters, CountersHandle.of)

@@ -1,0 +1,293 @@
+"""``jr.EmbeddingCollection``: many sparse features over a few dynamic tables, each table located once.
+
+A recommender's model has tens of sparse features: one id per example (the
+user, the item) or a padded row of ids (the last 50 items, a bag of tags),
+pooled or not. Each feature reads one table (:class:`TableConfig`); features
+may share a table (a vocabulary of items read by the item and by the
+history). A call looks every table up **once**: the ids of all its features
+in one lookup of its :class:`~jaxres.DynamicEmbedding`, so a shared table's
+rows are trained by every feature that reads them, and the step costs one
+probe per id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxres._errors import check_int
+from jaxres._nn import pooling
+from jaxres._nn.embedding import DynamicEmbedding
+
+
+@dataclasses.dataclass(frozen=True)
+class TableConfig:
+  """One table of a :class:`EmbeddingCollection`: the arguments of a :class:`jaxres.DynamicEmbedding`.
+
+  Args:
+    capacity: the rows the table holds (live ids at most).
+    features: the width of a row.
+    optimizer: the rows' optimizer: an elementwise optax transformation
+      (``optax.adam(1e-3)``, applied row by row) or :class:`jaxres.CatchUpAdam`.
+    key: the id dtype (``jnp.int64`` by default).
+    eviction: ``None`` (a full table refuses new ids), ``jr.LRU()`` or ``jr.LFU()``.
+    min_count: occurrences an id needs to get a row.
+    admission_capacity: ids the admission count holds (default ``capacity``).
+    initializer: ``initializer(key, shape, dtype)`` of new rows (``None``:
+      ``DynamicEmbedding``'s, ``normal(0.01)``).
+    oov_buckets: shared rows read (and trained) by ids without a row of their own.
+
+  Examples:
+    >>> import optax, jaxres as jr
+    >>> jr.TableConfig(1 << 20, 32, optimizer=optax.adam(1e-3)).capacity
+    1048576
+  """
+
+  capacity: int
+  features: int
+  optimizer: Any = dataclasses.field(kw_only=True)
+  key: Any = dataclasses.field(default=jnp.int64, kw_only=True)
+  eviction: Any = dataclasses.field(default=None, kw_only=True)
+  min_count: int = dataclasses.field(default=1, kw_only=True)
+  admission_capacity: int | None = dataclasses.field(default=None, kw_only=True)
+  initializer: Callable | None = dataclasses.field(default=None, kw_only=True)
+  oov_buckets: int = dataclasses.field(default=0, kw_only=True)
+
+  def __post_init__(self):
+    check_int(self.capacity, "capacity", low=1)
+    check_int(self.features, "features", low=1)
+    check_int(self.min_count, "min_count", low=1)
+    check_int(self.oov_buckets, "oov_buckets", low=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureConfig:
+  """One sparse feature of a :class:`EmbeddingCollection`: the table it reads and how it pools.
+
+  Args:
+    table: the name of the table.
+    combiner: how a multi-hot feature's rows (``ids`` of shape ``[batch, L]``)
+      become one per example: ``"sum"`` (of weight x row), ``"mean"`` (that sum
+      divided by the sum of the weights), ``"sqrtn"`` (divided by the root of
+      the sum of the squared weights), or ``None`` (unpooled: ``[batch, L,
+      features]``, each row scaled by its weight). A one-id feature (``ids``
+      of shape ``[batch]``) is a bag of one: without weights it returns its
+      row whatever the combiner.
+
+  Examples:
+    >>> import jaxres as jr
+    >>> jr.FeatureConfig("items", combiner="mean")
+    FeatureConfig(table='items', combiner='mean')
+  """
+
+  table: str
+  combiner: str | None = "sum"
+
+  def __post_init__(self):
+    if not isinstance(self.table, str):
+      raise TypeError(f"table: expected a table's name, got {self.table!r}.")
+    pooling.check_combiner(self.combiner, "combiner")
+
+
+class EmbeddingCollection(nnx.Module):
+  """Sparse features over dynamic embedding tables: one id or a padded multi-hot row per example, pooled.
+
+  ``tables`` maps names to :class:`TableConfig`\\ s, ``features`` names to
+  :class:`FeatureConfig`\\ s naming a table each. Calling the collection with
+  a dict of features (``ids``, or ``(ids, weights)``) returns a dict of rows:
+  ``float32[batch, features]`` for a pooled feature, ``[batch, L, features]``
+  for an unpooled one. Each table is located **once** per call: the ids of
+  all its features go through one lookup of its
+  :class:`~jaxres.DynamicEmbedding` (so features sharing a table share and
+  train its rows), at O(batch) whatever the capacities.
+
+  A weight of 0 marks padding: that id is not looked up, inserted, counted
+  for admission or trained, and reads zeros. Other weights scale their row's
+  contribution to the pooled row, and so its gradient.
+
+  Everything a :class:`~jaxres.DynamicEmbedding` does, the collection's
+  tables do: differentiating with :func:`jaxres.value_and_grad` trains the rows
+  looked up, ``model.eval()`` makes lookups pure reads, ``jr.Checkpoint``
+  saves them (deferred restore and incremental saves included),
+  ``jr.saved_model`` exports them. ``emb.tables[name]`` is a table's
+  ``DynamicEmbedding`` (``size()``, ``export()``, ``stats()``).
+
+  Args:
+    tables: table name -> :class:`TableConfig` (a mapping, or ``(name,
+      config)`` pairs).
+    features: feature name -> :class:`FeatureConfig` (likewise).
+    rngs: ``nnx.Rngs``: each table's seed of new rows is drawn from its
+      ``params`` stream, tables in order of name.
+    mesh: shard every table over ``axis`` of this mesh (give both or neither).
+    axis: the mesh axis.
+
+  Raises:
+    TypeError, ValueError: a feature naming a table that is not given, a
+      table given twice with different settings, settings a
+      ``DynamicEmbedding`` refuses (the message names the table).
+
+  Examples:
+    >>> import numpy as np, optax, jaxres as jr
+    >>> from flax import nnx
+    >>> emb = jr.EmbeddingCollection(
+    ...     {"items": jr.TableConfig(1024, 4, optimizer=optax.adam(1e-3))},
+    ...     {"item": jr.FeatureConfig("items"), "history": jr.FeatureConfig("items", combiner="mean")},
+    ...     rngs=nnx.Rngs(0))
+    >>> history = np.array([[7, 8, 0], [9, 0, 0]])
+    >>> out = emb({"item": np.array([7, 9]), "history": (history, np.array([[1.0, 1, 0], [1, 0, 0]]))})
+    >>> out["item"].shape, out["history"].shape
+    ((2, 4), (2, 4))
+    >>> bool(np.allclose(out["history"][1], out["item"][1]))   # 9 alone: its mean is its row
+    True
+    >>> emb.tables["items"].size()                               # 7, 8, 9; padding (0) never inserted
+    3
+  """
+
+  def __init__(
+    self,
+    tables: Mapping[str, TableConfig] | Iterable[tuple[str, TableConfig]],
+    features: Mapping[str, FeatureConfig] | Iterable[tuple[str, FeatureConfig]],
+    *,
+    rngs: nnx.Rngs,
+    mesh: Mesh | None = None,
+    axis: str | None = None,
+  ):
+    tables = _named(tables, "tables", TableConfig, _differs_in_width)
+    features = _named(features, "features", FeatureConfig, lambda a, b: "")
+    if not tables:
+      raise ValueError("tables: expected at least one table.")
+    for name, feature in features.items():
+      if feature.table not in tables:
+        raise ValueError(
+          f"features[{name!r}]: reads the table {feature.table!r}, which is not among the tables "
+          f"{sorted(tables)}."
+        )
+    built = {}
+    for name in sorted(tables):
+      config = tables[name]
+      settings = {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}
+      if settings["initializer"] is None:
+        del settings["initializer"]
+      try:
+        built[name] = DynamicEmbedding(
+          **settings, rngs=rngs, mesh=mesh, axis=axis, name=f"table {name!r} of a jr.EmbeddingCollection"
+        )
+      except (TypeError, ValueError) as err:
+        raise type(err)(f"tables[{name!r}]: {err}") from err
+    self.tables = nnx.data(built)  # a dict: a table named 'items' must not hide a method
+    self.features = {name: features[name] for name in sorted(features)}
+
+  def __call__(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
+    """The rows of each feature of ``inputs``: ``{name: float32[batch, features]}`` (pooled), or
+    ``[batch, L, features]`` (unpooled, ``combiner=None``).
+
+    Args:
+      inputs: feature name -> ``ids`` or ``(ids, weights)``: ``ids`` of the
+        table's key dtype, ``[batch]`` (one id per example) or ``[batch, L]``
+        (multi-hot, padded), as word pairs (``uint32[..., 2]``) inside ``jit``
+        for 64-bit ids with ``jax_enable_x64`` off; ``weights`` ``float[batch]``
+        or ``float[batch, L]``, 0 for padding. A subset of the features may be given.
+
+    Raises:
+      TypeError, ValueError: an unknown feature, ids of a dtype the table
+        does not take or of another rank, weights of another shape or
+        negative (the message names the feature; nothing is looked up).
+    """
+    if not isinstance(inputs, Mapping):
+      raise TypeError(f"inputs: expected a dict of feature name -> ids or (ids, weights), got {inputs!r}.")
+    unknown = sorted(set(inputs) - set(self.features), key=str)
+    if unknown:
+      raise ValueError(f"inputs: unknown features {unknown}; the collection has {sorted(self.features)}.")
+    looked_up = {name: self._parse(name, inputs[name]) for name in sorted(inputs)}  # all checked first
+    rows = {}
+    for table_name, table in self.tables.items():
+      names = [name for name in looked_up if self.features[name].table == table_name]
+      if not names:
+        continue
+      words = jnp.concatenate([looked_up[name].words for name in names])
+      weights = [looked_up[name].weights for name in names]
+      valid = None
+      if any(w is not None for w in weights):
+        valid = jnp.concatenate([jnp.ones(looked_up[n].size, bool) if w is None else w.reshape(-1) != 0
+                                 for n, w in zip(names, weights)])  # fmt: skip
+      found = table.lookup_words(words, valid)
+      start = 0
+      for name in names:
+        feature = looked_up[name]
+        rows[name] = self._pool(name, feature, found[start : start + feature.size])
+        start += feature.size
+    return {name: rows[name] for name in inputs}
+
+  def _parse(self, name: str, value) -> _Feature:
+    ids, weights = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
+    table = self.tables[self.features[name].table]
+    words, batch = table.key_spec.encode(ids, f"inputs[{name!r}]")
+    if len(batch) not in (1, 2):
+      raise ValueError(
+        f"inputs[{name!r}]: expected ids of shape [batch] or [batch, L] (multi-hot), got {batch}."
+      )
+    weights = pooling.check_weights(weights, batch, f"inputs[{name!r}] weights")
+    return _Feature(words.reshape(-1, words.shape[-1]), weights, tuple(batch))
+
+  def _pool(self, name: str, feature: _Feature, found: jax.Array) -> jax.Array:
+    combiner, width = self.features[name].combiner, found.shape[-1]
+    rows = found.reshape(*feature.batch, width)
+    if feature.weights is not None:
+      rows = rows * feature.weights[..., None]
+    if len(feature.batch) == 1:
+      if feature.weights is None or combiner in (None, "sum"):
+        return rows
+      return pooling.pool(rows[:, None], feature.weights[:, None], combiner)
+    return pooling.pool(rows, feature.weights, combiner)
+
+  def __repr__(self) -> str:
+    tables = ", ".join(f"{name!r}: {t.capacity} x {t.features}" for name, t in self.tables.items())
+    features = ", ".join(f"{name!r}: {f.table!r}" for name, f in self.features.items())
+    return f"jr.EmbeddingCollection(tables={{{tables}}}, features={{{features}}})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Feature:
+  """One feature of a call, checked: its ids' key words (flat), weights and batch shape."""
+
+  words: jax.Array  # uint32[size, W]
+  weights: jax.Array | None  # float32[*batch]
+  batch: tuple[int, ...]
+
+  @property
+  def size(self) -> int:
+    return self.words.shape[0]
+
+
+def _named(given, argument: str, kind: type, conflict: Callable[[Any, Any], str]) -> dict:
+  """``given`` (a mapping, or ``(name, value)`` pairs) as a dict of ``kind``\\ s, a name given twice
+  with other settings refused (``conflict`` says how they differ)."""
+  pairs = given.items() if isinstance(given, Mapping) else given
+  try:
+    pairs = list(pairs)
+  except TypeError:
+    raise TypeError(f"{argument}: expected a dict of name -> {kind.__name__}, got {given!r}.") from None
+  named = {}
+  for pair in pairs:
+    if not (isinstance(pair, tuple) and len(pair) == 2):
+      raise TypeError(f"{argument}: expected (name, {kind.__name__}) pairs, got {pair!r}.")
+    name, value = pair
+    if not isinstance(name, str) or not name:
+      raise TypeError(f"{argument}: expected names that are non-empty strings, got {name!r}.")
+    if not isinstance(value, kind):
+      raise TypeError(f"{argument}[{name!r}]: expected a jr.{kind.__name__}, got {value!r}.")
+    if name in named and named[name] != value:
+      difference = conflict(named[name], value) or "with other settings"
+      raise ValueError(f"{argument}[{name!r}]: given twice, {difference}.")
+    named[name] = value
+  return named
+
+
+def _differs_in_width(a: TableConfig, b: TableConfig) -> str:
+  return f"with {a.features} and {b.features} features" if a.features != b.features else ""

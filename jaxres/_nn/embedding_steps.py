@@ -1,0 +1,186 @@
+"""The jitted programs of a :class:`jaxres.DynamicEmbedding`: a lookup, a read, a step of the rows.
+
+Each takes the module's arrays and returns the new ones (donated: an eager
+call updates them in place; inside ``jit`` the caller donates the model).
+Every id is located once per lookup (its value row, ``index``), and the step
+writes to the rows located, so both cost O(batch) whatever the capacity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxres._core import constants
+from jaxres._core.encoding.hashing import hash_words
+from jaxres._core.kernels import grouping
+from jaxres._core.table import Table
+from jaxres._nn import admission, counters
+from jaxres._nn.catch_up import RowAdam
+from jaxres._nn.row_gradients import Lookup
+from jaxres._nn.rowwise import RowOptimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """What the jitted programs need to know of an embedding, static."""
+
+  optimizer: RowOptimizer | RowAdam
+  initializer: Callable
+  min_count: int
+
+  @property
+  def features(self) -> int:
+    return self.optimizer.features
+
+
+# The module's arrays are donated: an eager call updates them in place (under jit, the caller donates).
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("table", "counts", "tallies"))
+def embed(spec: Spec, table: Table, counts, tallies, seed, words, valid, shared):
+  """One lookup: ``(table, counts, counters, rows, lookup, clock)``, each id located once in ``table``.
+
+  ``valid`` (``bool[N]`` or ``None`` for all) marks the ids that are not
+  padding; the others are not looked up, counted or given rows, and read
+  zeros. ``lookup`` is the :class:`~jaxres._nn.row_gradients.Lookup` of the
+  rows' step, ``clock`` the table's clock after the lookup.
+  """
+  keys = table.key_spec.decode(words)
+  before = table.size
+  if counts is None:
+    admitted = valid
+  else:
+    found = table.find_rows(keys) >= 0
+    waiting = ~found if valid is None else ~found & valid
+    counts, admitted = admission.admit(counts, keys, words, waiting, spec.min_count)
+    admitted = admitted | (found if valid is None else found & valid)
+  table, handles = table.find_or_insert_rows(keys, valid=admitted)
+  index = handles.index if admitted is None else jnp.where(admitted, handles.index, -1)
+  initial = initial_values(spec, seed, words, handles.inserted)
+  table = table.write_rows(index, initial, valid=handles.inserted)
+  # Rows are read after the write, from the array it returns: a read of the array before it
+  # would have to be kept alive next to the written one, and XLA would copy it whole.
+  values = table.read_rows(index)
+  present = index >= 0
+  evictions = jnp.sum(handles.evicted.valid & present, dtype=jnp.int32)  # placed ids, their victims reported
+  admitted_ids = table.size - before + evictions
+  looked_up = jnp.ones_like(present) if valid is None else valid
+  unadmitted = jnp.int32(0) if admitted is None else jnp.sum(looked_up & ~admitted, dtype=jnp.int32)
+  full = jnp.sum(looked_up & ~present, dtype=jnp.int32) - unadmitted
+  tallies = counters.add(tallies, jnp.stack([admitted_ids, unadmitted, full, evictions]))
+  rows = with_shared(values["row"], present, words, shared)
+  if valid is not None:
+    rows = jnp.where(valid[:, None], rows, 0.0)
+  lookup = Lookup(words, index, looked_up)
+  return table, counts, tallies, rows, lookup, table.clock + jnp.uint32(0)
+
+
+@jax.jit
+def read(table: Table, shared, words, valid) -> jax.Array:
+  """Inference: the rows of present ids, zeros (or shared rows) elsewhere, zeros for padding; only reads."""
+  index = table.find_rows(table.key_spec.decode(words))
+  rows = with_shared(table.read_rows(index)["row"], index >= 0, words, shared)
+  return rows if valid is None else jnp.where(valid[:, None], rows, 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("table", "shared"))
+def update(spec: Spec, table: Table, shared, step, words, grads, index, valid):
+  """``(table, shared, step)`` after one optimizer step on the rows of ``words``.
+
+  ``index``: the ids' value rows from their lookup, or ``None`` to find them;
+  ``valid`` (``bool[N]`` or ``None``): the ids that are not padding, the only
+  ones trained (their own rows, or with shared rows those of ids without one).
+  """
+  step = None if step is None else step + 1
+  if index is None:
+    index = table.find_rows(table.key_spec.decode(words))
+  if valid is not None:
+    index = jnp.where(valid, index, -1)
+  rows, total = grouping.group_sums(index, grads)  # each row once, its ids' sum
+  values = table.read_rows(rows)
+  new_rows, slots = spec.optimizer.update(total, values["row"], values["slots"], step)
+  table = table.write_rows(rows, {"row": new_rows, "slots": tuple(slots)}, valid=rows >= 0)
+  if shared is not None:  # the ids without a row of their own train their shared rows alike
+    without = index < 0 if valid is None else (index < 0) & valid
+    groups, total = grouping.group_sums(jnp.where(without, shared_of(words, shared), -1), grads)
+    taken = jnp.maximum(groups, 0)
+    taken_slots = [s[taken] for s in shared["slots"]]
+    new_rows, slots = spec.optimizer.update(total, shared["row"][taken], taken_slots, step)
+    at = jnp.where(groups >= 0, groups, shared["row"].shape[0])  # distinct groups: no conflicting writes
+    shared = {
+      "row": shared["row"].at[at].set(new_rows, mode="drop"),
+      "slots": tuple(s.at[at].set(new, mode="drop") for s, new in zip(shared["slots"], slots)),
+    }
+  return table, shared, step
+
+
+def rows_of(table: Table, words, recent) -> jax.Array | None:
+  """The value rows of ``words`` when the last lookup (``recent``) was of these ids, on this table;
+  else ``None`` (:func:`update` finds them)."""
+  if recent is None or recent[0].shape != words.shape:
+    return None
+  recent_words, index, clock = recent
+  same = jnp.all(recent_words == words) & (clock == table.clock)
+  return jax.lax.cond(same, lambda: index, lambda: table.find_rows(table.key_spec.decode(words)))
+
+
+def initial_values(spec: Spec, seed: jax.Array, words: jax.Array, new: jax.Array) -> dict:
+  """The row and optimizer state each new id starts with: a function of the seed and the id alone.
+
+  Only the ``new`` rows need one, and drawing a row costs a random key per
+  id: the rows are drawn for the smallest of a few batch fractions that holds
+  every new row (a warm table has few), and other rows get zeros, which nothing reads.
+  """
+  base = jax.random.wrap_key_data(seed)
+
+  def row(id_words):
+    key = base
+    for w in range(id_words.shape[0]):
+      key = jax.random.fold_in(key, id_words[w])
+    return spec.initializer(key, (spec.features,), jnp.float32)
+
+  n = words.shape[0]
+  sizes = sorted({max(1, n >> shift) for shift in (6, 4, 2)} - {n})
+
+  def some(size):
+    def draw():
+      (index,) = jnp.nonzero(new, size=size, fill_value=n)
+      drawn = jax.vmap(row)(words[jnp.minimum(index, n - 1)])
+      return jnp.zeros((n, spec.features), jnp.float32).at[index].set(drawn, mode="drop")
+
+    return draw
+
+  count = jnp.sum(new, dtype=jnp.int32)
+  branch = jnp.sum(count > jnp.array(sizes, jnp.int32), dtype=jnp.int32)
+  rows = jax.lax.switch(branch, [*(some(size) for size in sizes), lambda: jax.vmap(row)(words)])
+  return {"row": rows, "slots": tuple(spec.optimizer.init(rows))}
+
+
+def shared_rows(spec: Spec, seed: jax.Array, n: int) -> dict:
+  """``n`` shared rows and their optimizer state, drawn from the seed (apart from any id's row)."""
+  key = jax.random.fold_in(jax.random.wrap_key_data(seed), constants.SHARED_ROW_SEED)
+  rows = spec.initializer(key, (n, spec.features), jnp.float32)
+  return {"row": rows, "slots": tuple(spec.optimizer.init(rows))}
+
+
+def shared_of(words: jax.Array, shared: dict) -> jax.Array:
+  """``int32[N]``: the shared row each id reads (a hash of its words)."""
+  n = shared["row"].shape[0]
+  return (hash_words(words, seed=constants.SHARED_ROW_SEED) % jnp.uint32(n)).astype(jnp.int32)
+
+
+def with_shared(rows: jax.Array, present: jax.Array, words: jax.Array, shared: dict | None) -> jax.Array:
+  """``rows`` where ``present``; elsewhere each id's shared row, or zeros without any."""
+  other = 0.0 if shared is None else shared["row"][shared_of(words, shared)]
+  return jnp.where(present[:, None], rows, other)
+
+
+def replicated(tree, mesh: Mesh | None):
+  """``tree`` with a copy on every device of ``mesh`` (as it is without one)."""
+  if tree is None or mesh is None:
+    return tree
+  return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
