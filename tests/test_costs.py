@@ -217,6 +217,7 @@ def test_the_training_step_with_the_model_donated(options):
 
 def test_the_sharded_training_step_with_the_model_donated():
   _check_step(_Model(eviction=jr.LRU(), mesh=mesh_of(2), axis="shard"))
+  _check_step(_Model(eviction=jr.LRU(), mesh=mesh_of(2), axis="shard", min_count=2))  # counts on every device
   catching_up = jr.CatchUpAdam(0.01)
   _check_step(_Model(eviction=jr.LRU(), mesh=mesh_of(2), axis="shard", oov_buckets=64, optimizer=catching_up))
 
@@ -272,3 +273,105 @@ def test_eager_embedding_calls_are_made_in_place():
   emb.apply_gradients(ids, np.ones((BATCH, 8), np.float32))
   assert all(x.is_deleted() for x in jax.tree.leaves(before))
   np.testing.assert_allclose(emb(ids), rows - 0.1, rtol=1e-6)
+
+
+def _loss(model, ids, labels):
+  return jnp.mean((model.head(model.emb(ids))[..., 0] - labels) ** 2)
+
+
+@functools.partial(nnx.jit, donate_argnums=(0, 1))
+def _plain_step(model, optimizer, ids, labels):
+  loss, grads = jr.value_and_grad(_loss)(model, ids, labels)
+  optimizer.update(model, grads)
+  return loss
+
+
+@pytest.mark.parametrize("options", ["LRU", "LRU, min_count=2, shared rows"])
+def test_the_plain_nnx_step_with_the_model_donated(options):
+  model = _Model(**_EMBEDDINGS[options])
+  optimizer = nnx.Optimizer(model, optax.adam(0.01), wrt=nnx.Param)
+  ids = jr.keys.split64(np.arange(BATCH * 2).reshape(BATCH, 2))
+  compiled = _plain_step.lower(model, optimizer, ids, jnp.ones((BATCH, 2), jnp.float32)).compile()
+  assert capacity_sized(compiled) == []
+
+
+class _Collection(nnx.Module):
+  """Two tables: items read by three features (one id, mean-pooled, unpooled), users by one."""
+
+  HISTORY, TAGS = 4, 2
+
+  def __init__(self, mesh=None):
+    tables = {
+      "items": jr.TableConfig(CAPACITY, 8, optimizer=optax.adam(0.01), eviction=jr.LRU()),
+      "users": jr.TableConfig(
+        2 * CAPACITY,
+        4,
+        optimizer=jr.CatchUpAdam(0.01),
+        eviction=jr.LFU(),
+        min_count=2,
+        oov_buckets=64,
+        admission_capacity=CAPACITY // 2,
+      ),
+    }
+    features = {
+      "item": jr.FeatureConfig("items"),
+      "history": jr.FeatureConfig("items", combiner="mean"),
+      "tags": jr.FeatureConfig("items", combiner=None),
+      "user": jr.FeatureConfig("users"),
+    }
+    axis = None if mesh is None else "shard"
+    self.emb = jr.EmbeddingCollection(tables, features, rngs=nnx.Rngs(0), mesh=mesh, axis=axis)
+    self.head = nnx.Linear(8 * 3 + 4, 1, rngs=nnx.Rngs(1))
+
+  def __call__(self, batch):
+    out = self.emb(batch)
+    x = jnp.concatenate([out["item"], out["history"], out["tags"].sum(axis=1), out["user"]], axis=-1)
+    return self.head(x)[:, 0]
+
+
+def _collection_loss(model, batch, labels):
+  return jnp.mean((model(batch) - labels) ** 2)
+
+
+@functools.partial(nnx.jit, donate_argnums=(0, 1))
+def _collection_step(model, optimizer, batch, labels):
+  loss, grads = jr.value_and_grad(_collection_loss)(model, batch, labels)
+  optimizer.update(model, grads)
+  return loss
+
+
+def _compiled_collection_step(model):
+  optimizer = nnx.Optimizer(model, optax.adam(0.01), wrt=nnx.Param)
+  ids = lambda *shape: jr.keys.split64(np.arange(np.prod(shape)).reshape(shape) * 7919)
+  padded = lambda *shape: jnp.asarray(np.arange(np.prod(shape)).reshape(shape) % 3 > 0, jnp.float32)
+  batch = {
+    "item": ids(BATCH),
+    "history": (ids(BATCH, _Collection.HISTORY), padded(BATCH, _Collection.HISTORY)),
+    "tags": (ids(BATCH, _Collection.TAGS), padded(BATCH, _Collection.TAGS)),
+    "user": ids(BATCH),
+  }
+  return _collection_step.lower(model, optimizer, batch, jnp.ones(BATCH, jnp.float32)).compile()
+
+
+_UPSERT = re.compile(r"= \((u32\[\d+,\d+\])\{[^}]*\}, pred\[(\d+)\].*custom_call_target=\"jaxres_upsert\"")
+
+
+def test_the_collection_step_locates_each_table_once_with_the_model_donated():
+  """One upsert per table, of the ids of all its features (and one of the users' admission counts)."""
+  model = _Collection()
+  compiled = _compiled_collection_step(model)
+  assert capacity_sized(compiled) == []
+  upserts = sorted(m.groups() for m in map(_UPSERT.search, compiled.as_text().splitlines()) if m)
+  shape = lambda table: "u32[{},{}]".format(*table.buckets.shape)
+  items, users = model.emb.tables["items"], model.emb.tables["users"]
+  expected = {
+    shape(items.table.get_value()): str(BATCH * (1 + _Collection.HISTORY + _Collection.TAGS)),
+    shape(users.table.get_value()): str(BATCH),
+    shape(users.counts.get_value()): str(BATCH),
+  }
+  assert len(expected) == 3, "the tables' bucket arrays must differ in shape to be told apart"
+  assert upserts == sorted(expected.items())
+
+
+def test_the_sharded_collection_step_with_the_model_donated():
+  assert capacity_sized(_compiled_collection_step(_Collection(mesh=mesh_of(2)))) == []

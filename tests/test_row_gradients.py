@@ -1,4 +1,4 @@
-"""jr.value_and_grad / jr.grad: the plain NNX step trains the rows looked up; plain nnx.value_and_grad refuses.
+"""jr.value_and_grad / jr.grad: the plain NNX step trains the rows looked up; nnx.value_and_grad refuses.
 
 The oracle is the pattern that predates them (lookup outside the loss,
 ``argnums=(0, 1)``, ``apply_gradients``), which ``tests/test_embedding.py``
@@ -115,7 +115,7 @@ def test_eager_calls_match_jitted_ones_and_the_function_traces_twice_once():
   opt_eager = nnx.Optimizer(eager, SGD, wrt=nnx.Param)
   for ids, labels, _ in _batches(2, 3):
     step(jitted, opt_jitted, jr.keys.split64(ids), labels)
-    loss, grads = jr.value_and_grad(loss_fn)(eager, ids, labels)
+    _, grads = jr.value_and_grad(loss_fn)(eager, ids, labels)
     opt_eager.update(eager, grads)
   assert len(traced) == 2  # once to find the lookups, once differentiated; never again
   for a, b in zip(jax.tree.leaves(nnx.state(jitted)), jax.tree.leaves(nnx.state(eager))):
@@ -174,7 +174,7 @@ def test_inference_mode_is_neither_refused_nor_trained():
   model.emb(POOL[:4])
   model.eval()
   before = _state_bytes(model)
-  loss, grads = nnx.value_and_grad(lambda m: jnp.sum(m(POOL[:6])))(model)  # a pure read: no rows to train
+  loss, _ = nnx.value_and_grad(lambda m: jnp.sum(m(POOL[:6])))(model)  # a pure read: no rows to train
   loss_too, _ = jr.value_and_grad(lambda m: jnp.sum(m(POOL[:6])))(model)
   assert float(loss) == float(loss_too) and _state_bytes(model) == before
 
@@ -201,7 +201,7 @@ def test_bad_weights_inside_the_step_change_nothing():
 
 
 def test_a_row_optimizer_handed_to_nnx_optimizer_is_a_type_error():
-  with pytest.raises(TypeError, match="CatchUpAdam.*row optimizer"):
+  with pytest.raises(TypeError, match=r"CatchUpAdam.*row optimizer"):
     nnx.Optimizer(Tower(), jr.CatchUpAdam(1e-3), wrt=nnx.Param)
-  with pytest.raises(TypeError, match="CatchUpAdam.*row optimizer"):
+  with pytest.raises(TypeError, match=r"CatchUpAdam.*row optimizer"):
     optax.chain(optax.clip(1.0), jr.CatchUpAdam(1e-3)).init(jnp.zeros(3))

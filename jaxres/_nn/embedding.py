@@ -206,15 +206,18 @@ class DynamicEmbedding(nnx.Module):
       table = ShardedTable.create(
         mesh, axis, capacity, key=key, value=value, default=default, eviction=eviction
       )
-    self._spec = Spec(optimizer, initializer, min_count)
+    mesh = None if mesh is None else table.mesh  # the table's: its axes in Auto mode, as jit returns
+    self._spec = Spec(optimizer, initializer, min_count, mesh)
     self.capacity, self.features, self.name = capacity, features, name
     self.table = EmbeddingRows(table, row_optimizer=optimizer, restore_rows_only=restore_rows_only)
-    self.counts = EmbeddingState(admission.counter(room, key)) if min_count > 1 else None
+    counts = (
+      replicated(admission.counter(room, key), mesh) if min_count > 1 else None
+    )  # a copy on each device
+    self.counts = None if counts is None else EmbeddingState(counts)
     self.seed = EmbeddingState(jax.random.key_data(rngs.params()))
     self.counters = EmbeddingCounters(counters.zeros(), admits=min_count > 1)
     seed = self.seed.get_value()
     shared = embedding_steps.shared_rows(self._spec, seed, oov_buckets) if oov_buckets else None
-    mesh = None if mesh is None else table.mesh  # the table's: its axes in Auto mode, as jit returns
     shared = replicated(shared, mesh)  # every device reads them: a copy on each
     self.shared = None if shared is None else EmbeddingState(shared)
     step = replicated(jnp.zeros((), jnp.int32), mesh) if optimizer.needs_step else None

@@ -33,6 +33,7 @@ class Spec:
   optimizer: RowOptimizer | RowAdam
   initializer: Callable
   min_count: int
+  mesh: Mesh | None = None  # of a sharded table (its admission counts are replicated over it)
 
   @property
   def features(self) -> int:
@@ -56,7 +57,7 @@ def embed(spec: Spec, table: Table, counts, tallies, seed, words, valid, shared)
   else:
     found = table.find_rows(keys) >= 0
     waiting = ~found if valid is None else ~found & valid
-    counts, admitted = admission.admit(counts, keys, words, waiting, spec.min_count)
+    counts, admitted = _admit(spec, counts, keys, words, waiting)
     admitted = admitted | (found if valid is None else found & valid)
   table, handles = table.find_or_insert_rows(keys, valid=admitted)
   index = handles.index if admitted is None else jnp.where(admitted, handles.index, -1)
@@ -77,6 +78,19 @@ def embed(spec: Spec, table: Table, counts, tallies, seed, words, valid, shared)
     rows = jnp.where(valid[:, None], rows, 0.0)
   lookup = Lookup(words, index, looked_up)
   return table, counts, tallies, rows, lookup, table.clock + jnp.uint32(0)
+
+
+def _admit(spec: Spec, counts: Table, keys, words, waiting):
+  """:func:`admission.admit`; over a mesh, every device counts the whole batch in its copy of the
+  counts (left to the partitioner, a batch split over the devices would update the counts by a
+  capacity-sized sum over them)."""
+  count = functools.partial(admission.admit, min_count=spec.min_count)
+  if spec.mesh is None:
+    return count(counts, keys, words, waiting)
+  everywhere = PartitionSpec()
+  return jax.shard_map(count, mesh=spec.mesh, in_specs=everywhere, out_specs=everywhere)(
+    counts, keys, words, waiting
+  )
 
 
 @jax.jit
