@@ -143,6 +143,11 @@ class Table(RowProtocol):
   def num_slots(self) -> int:
     """Slots the table's arrays have (``export_batch`` streams them): at least ``capacity``."""
 
+  @property
+  def num_rows(self) -> int:
+    """Value rows the table's arrays have: row handles (:meth:`find_rows`) lie in ``[0, num_rows)``."""
+    return self.values[0].shape[0]
+
   # ------------------------------------------------------------- queries
 
   def lookup(self, keys) -> tuple[Any, jax.Array]:

@@ -61,8 +61,7 @@ def embed(spec: Spec, table: Table, counts, tallies, seed, words, valid, shared)
     admitted = admitted | (found if valid is None else found & valid)
   table, handles = table.find_or_insert_rows(keys, valid=admitted)
   index = handles.index if admitted is None else jnp.where(admitted, handles.index, -1)
-  initial = initial_values(spec, seed, words, handles.inserted)
-  table = table.write_rows(index, initial, valid=handles.inserted)
+  table = _write_initial_values(spec, table, seed, words, index, handles.inserted)
   # Rows are read after the write, from the array it returns: a read of the array before it
   # would have to be kept alive next to the written one, and XLA would copy it whole.
   values = table.read_rows(index)
@@ -115,9 +114,7 @@ def update(spec: Spec, table: Table, shared, step, words, grads, index, valid):
   if valid is not None:
     index = jnp.where(valid, index, -1)
   rows, total = grouping.group_sums(index, grads)  # each row once, its ids' sum
-  values = table.read_rows(rows)
-  new_rows, slots = spec.optimizer.update(total, values["row"], values["slots"], step)
-  table = table.write_rows(rows, {"row": new_rows, "slots": tuple(slots)}, valid=rows >= 0)
+  table = _step_rows(spec, table, step, rows, total)
   if shared is not None:  # the ids without a row of their own train their shared rows alike
     without = index < 0 if valid is None else (index < 0) & valid
     groups, total = grouping.group_sums(jnp.where(without, shared_of(words, shared), -1), grads)
@@ -132,6 +129,33 @@ def update(spec: Spec, table: Table, shared, step, words, grads, index, valid):
   return table, shared, step
 
 
+def _step_rows(spec: Spec, table: Table, step, rows, total) -> Table:
+  """``table`` after the optimizer's step on ``rows`` (distinct rows in ascending order, then ``-1``)
+  with their gradients ``total``.
+
+  A batch of ``N`` ids often has far fewer distinct rows (repeated ids,
+  padding), so the step runs on chunks of a quarter of ``N`` (or of the
+  table's rows, if fewer) until every distinct row had its step: a loop,
+  whose carry updates the table in place.
+  """
+  n = rows.shape[0]
+  chunk = max(1, -(-min(n, table.num_rows) // 4))
+  rows = jnp.concatenate([rows, jnp.full(-n % chunk, -1, jnp.int32)])
+  count = jnp.sum(rows >= 0, dtype=jnp.int32)
+
+  def take_step(carry):
+    start, table = carry
+    taken = jax.lax.dynamic_slice(rows, (start,), (chunk,))
+    sums = jnp.take(total, start + jnp.arange(chunk), axis=0, mode="clip")  # past N: rows of -1
+    values = table.read_rows(taken)
+    new_rows, slots = spec.optimizer.update(sums, values["row"], values["slots"], step)
+    table = table.write_rows(taken, {"row": new_rows, "slots": tuple(slots)}, valid=taken >= 0)
+    return start + chunk, table
+
+  _, table = jax.lax.while_loop(lambda carry: carry[0] < count, take_step, (jnp.int32(0), table))
+  return table
+
+
 def rows_of(table: Table, words, recent) -> jax.Array | None:
   """The value rows of ``words`` when the last lookup (``recent``) was of these ids, on this table;
   else ``None`` (:func:`update` finds them)."""
@@ -142,36 +166,42 @@ def rows_of(table: Table, words, recent) -> jax.Array | None:
   return jax.lax.cond(same, lambda: index, lambda: table.find_rows(table.key_spec.decode(words)))
 
 
-def initial_values(spec: Spec, seed: jax.Array, words: jax.Array, new: jax.Array) -> dict:
-  """The row and optimizer state each new id starts with: a function of the seed and the id alone.
-
-  Only the ``new`` rows need one, and drawing a row costs a random key per
-  id: the rows are drawn for the smallest of a few batch fractions that holds
-  every new row (a warm table has few), and other rows get zeros, which nothing reads.
-  """
+def initial_value(spec: Spec, seed: jax.Array, id_words: jax.Array) -> dict:
+  """The row and optimizer state a new id starts with (``id_words``: ``uint32[N, W]``): a function
+  of the seed and the id alone."""
   base = jax.random.wrap_key_data(seed)
 
-  def row(id_words):
+  def row(one_id):
     key = base
-    for w in range(id_words.shape[0]):
-      key = jax.random.fold_in(key, id_words[w])
+    for w in range(one_id.shape[0]):
+      key = jax.random.fold_in(key, one_id[w])
     return spec.initializer(key, (spec.features,), jnp.float32)
 
-  n = words.shape[0]
-  sizes = sorted({max(1, n >> shift) for shift in (6, 4, 2)} - {n})
-
-  def some(size):
-    def draw():
-      (index,) = jnp.nonzero(new, size=size, fill_value=n)
-      drawn = jax.vmap(row)(words[jnp.minimum(index, n - 1)])
-      return jnp.zeros((n, spec.features), jnp.float32).at[index].set(drawn, mode="drop")
-
-    return draw
-
-  count = jnp.sum(new, dtype=jnp.int32)
-  branch = jnp.sum(count > jnp.array(sizes, jnp.int32), dtype=jnp.int32)
-  rows = jax.lax.switch(branch, [*(some(size) for size in sizes), lambda: jax.vmap(row)(words)])
+  rows = jax.vmap(row)(id_words)
   return {"row": rows, "slots": tuple(spec.optimizer.init(rows))}
+
+
+def _write_initial_values(spec: Spec, table: Table, seed, words, index, new) -> Table:
+  """``table`` with the initial value of each ``new`` id written to its row ``index``.
+
+  Drawing a row costs a random key per id, and a warm table meets few new
+  ids: they are drawn and written in chunks of a sixteenth of the batch, as
+  many as there are new ids (a loop, whose carry updates the table in place).
+  """
+  n = words.shape[0]
+  chunk = max(1, -(-n // 16))
+  (positions,) = jnp.nonzero(new, size=n + (-n % chunk), fill_value=-1)
+  count = jnp.sum(new, dtype=jnp.int32)
+
+  def draw(carry):
+    start, table = carry
+    at = jax.lax.dynamic_slice(positions, (start,), (chunk,))
+    taken = jnp.maximum(at, 0)
+    values = initial_value(spec, seed, words[taken])
+    return start + chunk, table.write_rows(jnp.where(at >= 0, index[taken], -1), values)
+
+  _, table = jax.lax.while_loop(lambda carry: carry[0] < count, draw, (jnp.int32(0), table))
+  return table
 
 
 def shared_rows(spec: Spec, seed: jax.Array, n: int) -> dict:

@@ -213,6 +213,11 @@ class ShardedTable(Table):
     """Slots over all shards; ``export_batch`` numbers them shard by shard."""
     return self.num_shards * self.shards.num_slots
 
+  @property
+  def num_rows(self) -> int:
+    """Value rows over all shards: a shard's row ``r`` is the table's ``shard * shard_capacity + r``."""
+    return self.num_shards * self.shard_capacity
+
   def export(self):
     """All entries as fixed-shape arrays ``(keys, values, valid)``.
 
