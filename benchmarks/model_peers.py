@@ -1,6 +1,6 @@
 """One system's DLRM-shaped training step, timed in a process of its own.
 
-``python -m benchmarks.model_peers SYSTEM --warmup 20 --steps 30 --seed 0``
+``python -m benchmarks.model_peers SYSTEM --warmup 20 --steps 30 --seed 0 [--batch 4096 --rows 131072]``
 prints one JSON line: ``{"us_per_step", "us_per_example", "bytes", "rows", "losses"}``,
 or ``{"error": ...}`` when the system cannot run here.
 
@@ -9,9 +9,9 @@ advertising challenge's categorical columns (Kaggle), each its own table of
 16 floats; four of them multi-hot (a padded row of up to 10 or 20 ids per
 example, mean-pooled); 13 dense inputs through a bottom MLP (13-64-16); the
 16 + 26 x 16 features through a top MLP (432-256-64-1); binary
-cross-entropy, batches of 4096. Ids are Zipf(1.1) ranks per feature,
+cross-entropy, batches of 4096 (:class:`Sizes`). Ids are Zipf(1.1) ranks per feature,
 scrambled over the int64 range. Every system sees the same batches and
-keeps its embedding tables in the same bytes (:func:`budgets`); each runs in
+keeps its embedding tables in the same bytes (:meth:`Sizes.budgets`); each runs in
 its fastest idiomatic CPU form (see each builder). A step ends when its loss
 is on the host. This module imports only NumPy and the system's own
 framework: TF Recommenders-Addons pins its TensorFlow, so it runs from an
@@ -21,6 +21,7 @@ environment of its own.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -36,8 +37,6 @@ CARDINALITIES = (
 MULTI_HOT = {2: 20, 11: 10, 15: 10, 20: 20}  # feature -> ids per example at most (mean-pooled)
 WIDTH = 16
 DENSE = 13
-BATCH = 4096
-HASHED_ROWS = 1 << 17  # a table's rows at most, in the hashed systems: the memory budget
 LEARNING_RATE = 0.01
 ZIPF = 1.1
 _MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
@@ -59,37 +58,43 @@ def zipf_ranks(rng, shape, n: int) -> np.ndarray:
   return np.clip(ranks, 0, n - 1).astype(np.uint64)
 
 
-def batch(seed: int, step: int) -> dict:
-  """The examples of ``step``: ``dense`` (float32[B, 13]), ``labels`` (float32[B]) and per feature
-  ``ids`` (int64[B] or int64[B, L], padding 0) and ``weights`` (float32[B, L]: 1 for an id, 0 for padding)."""
-  rng = np.random.default_rng([seed, step])
-  out = {"dense": rng.normal(size=(BATCH, DENSE)).astype(np.float32)}
-  for f, cardinality in enumerate(CARDINALITIES):
-    width = MULTI_HOT.get(f)
-    shape = (BATCH,) if width is None else (BATCH, width)
-    ranks = zipf_ranks(rng, shape, cardinality)
-    ids = _mix64((np.uint64(f + 1) << np.uint64(40)) + ranks).view(np.int64)
-    if width is not None:
-      lengths = rng.integers(1, width + 1, BATCH)
-      weights = (np.arange(width) < lengths[:, None]).astype(np.float32)
-      ids = np.where(weights > 0, ids, 0)
-      out[f"w{f}"] = weights
-    out[f"f{f}"] = ids
-  out["labels"] = (rng.random(BATCH) < 0.25).astype(np.float32)
-  return out
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+  """The batch, and the rows of a table at most in the hashed systems (which sets every budget)."""
+
+  batch: int = 4096
+  rows: int = 1 << 17
+  features: int = len(CARDINALITIES)  # the first ones (fewer: a quick check of the harness)
+
+  def hashed_rows(self, f: int) -> int:
+    return min(CARDINALITIES[f], self.rows)
+
+  def budgets(self) -> list[int]:
+    """Bytes of each table: a hashed table's rows with TorchRec's fused row-wise Adagrad state
+    (16 floats and one per row)."""
+    return [self.hashed_rows(f) * (WIDTH + 1) * 4 for f in range(self.features)]
+
+  def examples(self, seed: int, step: int) -> dict:
+    """The examples of ``step``: ``dense`` (float32[B, 13]), ``labels`` (float32[B]) and per feature
+    ``f<i>``, ids (int64[B], or int64[B, L] padded with 0), and for a multi-hot one ``w<i>``, weights
+    (float32[B, L]: 1 for an id, 0 for padding)."""
+    rng = np.random.default_rng([seed, step])
+    out = {"dense": rng.normal(size=(self.batch, DENSE)).astype(np.float32)}
+    for f, cardinality in enumerate(CARDINALITIES[: self.features]):
+      width = MULTI_HOT.get(f)
+      shape = (self.batch,) if width is None else (self.batch, width)
+      ids = _mix64((np.uint64(f + 1) << np.uint64(40)) + zipf_ranks(rng, shape, cardinality)).view(np.int64)
+      if width is not None:
+        lengths = rng.integers(1, width + 1, self.batch)
+        weights = (np.arange(width) < lengths[:, None]).astype(np.float32)
+        ids = np.where(weights > 0, ids, 0)
+        out[f"w{f}"] = weights
+      out[f"f{f}"] = ids
+    out["labels"] = (rng.random(self.batch) < 0.25).astype(np.float32)
+    return out
 
 
-def hashed_rows(f: int) -> int:
-  return min(CARDINALITIES[f], HASHED_ROWS)
-
-
-def budgets() -> list[int]:
-  """Bytes of each table: a hashed table's rows with TorchRec's fused row-wise Adagrad state
-  (16 floats and one per row)."""
-  return [hashed_rows(f) * (WIDTH + 1) * 4 for f in range(len(CARDINALITIES))]
-
-
-def jaxres():
+def jaxres(sizes: Sizes):
   """``jr.EmbeddingCollection`` (a table per feature, LRU eviction, row-wise ``optax.adam``), the plain
   NNX step with ``jr.value_and_grad`` in ``nnx.jit`` (model donated), called through
   ``nnx.cached_partial`` (as Flax's performance guide advises for training loops).
@@ -109,15 +114,19 @@ def jaxres():
   adam = optax.adam(LEARNING_RATE)
   probe = jr.DynamicEmbedding(1 << 14, WIDTH, optimizer=adam, eviction=jr.LRU(), rngs=nnx.Rngs(0))
   per_row = sum(x.nbytes for x in jax.tree.leaves(nnx.state(probe))) / (1 << 14)
-  capacities = [max(min(CARDINALITIES[f], 64), int(b // per_row)) for f, b in enumerate(budgets())]
-  tables = {f"t{f}": jr.TableConfig(c, WIDTH, optimizer=adam, eviction=jr.LRU()) for f, c in enumerate(capacities)}
-  features = {f"f{f}": jr.FeatureConfig(f"t{f}", combiner="mean") for f in range(len(CARDINALITIES))}
+  capacities = [max(min(CARDINALITIES[f], 64), int(b // per_row)) for f, b in enumerate(sizes.budgets())]
+  tables = {
+    f"t{f}": jr.TableConfig(c, WIDTH, optimizer=adam, eviction=jr.LRU()) for f, c in enumerate(capacities)
+  }
+  features = {f"f{f}": jr.FeatureConfig(f"t{f}", combiner="mean") for f in range(sizes.features)}
 
   class Model(nnx.Module):
     def __init__(self, rngs):
       self.emb = jr.EmbeddingCollection(tables, features, rngs=rngs)
-      self.bottom = nnx.Sequential(nnx.Linear(DENSE, 64, rngs=rngs), nnx.relu, nnx.Linear(64, WIDTH, rngs=rngs))
-      width = WIDTH * (1 + len(CARDINALITIES))
+      self.bottom = nnx.Sequential(
+        nnx.Linear(DENSE, 64, rngs=rngs), nnx.relu, nnx.Linear(64, WIDTH, rngs=rngs)
+      )
+      width = WIDTH * (1 + sizes.features)
       self.top = nnx.Sequential(
         nnx.Linear(width, 256, rngs=rngs), nnx.relu, nnx.Linear(256, 64, rngs=rngs), nnx.relu,
         nnx.Linear(64, 1, rngs=rngs),
@@ -125,7 +134,7 @@ def jaxres():
 
     def __call__(self, dense, sparse):
       rows = self.emb(sparse)
-      x = jnp.concatenate([nnx.relu(self.bottom(dense)), *(rows[f"f{f}"] for f in range(len(CARDINALITIES)))], -1)
+      x = jnp.concatenate([nnx.relu(self.bottom(dense)), *(rows[f"f{f}"] for f in range(sizes.features))], -1)
       return self.top(x)[:, 0]
 
   def loss_fn(model, dense, sparse, labels):
@@ -143,7 +152,7 @@ def jaxres():
 
   def prepare(examples):
     sparse = {}
-    for f in range(len(CARDINALITIES)):
+    for f in range(sizes.features):
       ids = jax.device_put(jr.keys.split64(examples[f"f{f}"]))
       sparse[f"f{f}"] = (ids, jax.device_put(examples[f"w{f}"])) if f in MULTI_HOT else ids
     return jax.device_put(examples["dense"]), sparse, jax.device_put(examples["labels"])
@@ -151,8 +160,11 @@ def jaxres():
   def run(prepared):
     return float(cached(*prepared))
 
+  import flax
+
   state = sum(x.nbytes for t in model.emb.tables.values() for x in jax.tree.leaves(nnx.state(t)))
-  return prepare, run, {"bytes": state, "rows": sum(capacities)}
+  versions = f"JAX {jax.__version__}, Flax {flax.__version__}"
+  return prepare, run, {"bytes": state, "rows": sum(capacities), "versions": versions}
 
 
 def _process_group():
@@ -167,7 +179,7 @@ def _process_group():
     dist.init_process_group("gloo", rank=0, world_size=1)
 
 
-def torchrec():
+def torchrec(sizes: Sizes):
   """TorchRec's sharded ``EmbeddingBagCollection`` (``DistributedModelParallel``, FBGEMM's CPU kernels)
   over ids hashed to rows, mean pooling of jagged ids (``KeyedJaggedTensor``: no padding), row-wise
   Adagrad fused into the backward pass (FBGEMM's CPU kernels fuse only the Adagrad family), the MLPs
@@ -183,34 +195,34 @@ def torchrec():
     tr.EmbeddingBagConfig(
       name=f"t{f}",
       embedding_dim=WIDTH,
-      num_embeddings=hashed_rows(f),
+      num_embeddings=sizes.hashed_rows(f),
       feature_names=[f"f{f}"],
       pooling=tr.PoolingType.MEAN,
     )
-    for f in range(len(CARDINALITIES))
+    for f in range(sizes.features)
   ]
   collection = tr.EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
   apply_optimizer_in_backward(tr.optim.RowWiseAdagrad, collection.parameters(), {"lr": LEARNING_RATE})
   sharded = DistributedModelParallel(collection, device=torch.device("cpu"))
   bottom = torch.nn.Sequential(torch.nn.Linear(DENSE, 64), torch.nn.ReLU(), torch.nn.Linear(64, WIDTH))
   top = torch.nn.Sequential(
-    torch.nn.Linear(WIDTH * (1 + len(CARDINALITIES)), 256), torch.nn.ReLU(), torch.nn.Linear(256, 64),
+    torch.nn.Linear(WIDTH * (1 + sizes.features), 256), torch.nn.ReLU(), torch.nn.Linear(256, 64),
     torch.nn.ReLU(), torch.nn.Linear(64, 1),
   )  # fmt: skip
   dense_optimizer = torch.optim.Adam([*bottom.parameters(), *top.parameters()], lr=LEARNING_RATE)
-  keys = [f"f{f}" for f in range(len(CARDINALITIES))]
+  keys = [f"f{f}" for f in range(sizes.features)]
 
   def prepare(examples):
     values, lengths = [], []
-    for f in range(len(CARDINALITIES)):
-      ids = np.remainder(examples[f"f{f}"], hashed_rows(f))
+    for f in range(sizes.features):
+      ids = np.remainder(examples[f"f{f}"], sizes.hashed_rows(f))
       if f in MULTI_HOT:
         weights = examples[f"w{f}"]
         values.append(ids[weights > 0])  # row-major: each example's ids in turn
         lengths.append(weights.sum(axis=1).astype(np.int32))
       else:
         values.append(ids)
-        lengths.append(np.ones(BATCH, np.int32))
+        lengths.append(np.ones(sizes.batch, np.int32))
     features = tr.KeyedJaggedTensor.from_lengths_sync(
       keys=keys,
       values=torch.from_numpy(np.concatenate(values)),
@@ -230,11 +242,12 @@ def torchrec():
     dense_optimizer.step()
     return loss.item()
 
-  rows = sum(hashed_rows(f) for f in range(len(CARDINALITIES)))
-  return prepare, run, {"bytes": sum(budgets()), "rows": rows}
+  rows = sum(sizes.hashed_rows(f) for f in range(sizes.features))
+  versions = f"PyTorch {torch.__version__}, TorchRec {tr.__version__}"
+  return prepare, run, {"bytes": sum(sizes.budgets()), "rows": rows, "versions": versions}
 
 
-def tfra():
+def tfra(sizes: Sizes):
   """TF Recommenders-Addons: a ``de.keras.layers.Embedding`` (CPU cuckoo table) per feature, the
   multi-hot ones mean-pooled over their weights, ``de.DynamicEmbeddingOptimizer(Adam)``, in a
   ``tf.function``. Each table starts with room for the rows jaxres holds in its budget (its own
@@ -256,11 +269,15 @@ def tfra():
       init_capacity=max(64, budget // per_row),
       name=f"t{f}",
     )
-    for f, budget in enumerate(budgets())
+    for f, budget in enumerate(sizes.budgets())
   ]
   bottom = tf.keras.Sequential([tf.keras.layers.Dense(64, activation="relu"), tf.keras.layers.Dense(WIDTH)])
   top = tf.keras.Sequential(
-    [tf.keras.layers.Dense(256, activation="relu"), tf.keras.layers.Dense(64, activation="relu"), tf.keras.layers.Dense(1)]
+    [
+      tf.keras.layers.Dense(256, activation="relu"),
+      tf.keras.layers.Dense(64, activation="relu"),
+      tf.keras.layers.Dense(1),
+    ]
   )
   optimizer = de.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(LEARNING_RATE))
 
@@ -285,7 +302,7 @@ def tfra():
     return loss
 
   def prepare(examples):
-    sparse = [tf.constant(examples[f"f{f}"]) for f in range(len(CARDINALITIES))]
+    sparse = [tf.constant(examples[f"f{f}"]) for f in range(sizes.features)]
     weights = {f: tf.constant(examples[f"w{f}"]) for f in MULTI_HOT}
     return tf.constant(examples["dense"]), sparse, weights, tf.constant(examples["labels"])
 
@@ -293,8 +310,11 @@ def tfra():
     return float(step(*prepared))
 
   def info():
+    import tensorflow_recommenders_addons as tfra
+
     rows = sum(int(layer.params.size()) for layer in layers)
-    return {"bytes": rows * per_row, "rows": rows}
+    versions = f"TensorFlow {tf.__version__}, TFRA {tfra.__version__}"
+    return {"bytes": rows * per_row, "rows": rows, "versions": versions}
 
   return prepare, run, info
 
@@ -302,13 +322,13 @@ def tfra():
 SYSTEMS = {"jaxres": jaxres, "torchrec": torchrec, "tfra": tfra}
 
 
-def measure(system: str, warmup: int, steps: int, seed: int) -> dict:
+def measure(system: str, warmup: int, steps: int, seed: int, sizes: Sizes) -> dict:
   """Microseconds per step (the median of ``steps`` after ``warmup`` untimed ones), per example, the
   bytes and rows of the embedding tables, and the losses."""
-  prepare, run, info = SYSTEMS[system]()
+  prepare, run, info = SYSTEMS[system](sizes)
   losses, times = [], []
   for step in range(warmup + steps):
-    prepared = prepare(batch(seed, step))
+    prepared = prepare(sizes.examples(seed, step))
     start = time.perf_counter()
     losses.append(run(prepared))
     if step >= warmup:
@@ -316,8 +336,8 @@ def measure(system: str, warmup: int, steps: int, seed: int) -> dict:
   if not np.all(np.isfinite(losses)):
     raise RuntimeError(f"{system}: a loss is not finite: {losses}")
   us = statistics.median(times) * 1e6
-  sizes = info() if callable(info) else info
-  return {"us_per_step": us, "us_per_example": us / BATCH, **sizes, "losses": losses}
+  held = info() if callable(info) else info
+  return {"us_per_step": us, "us_per_example": us / sizes.batch, **held, "losses": losses}
 
 
 def main() -> None:
@@ -326,9 +346,14 @@ def main() -> None:
   parser.add_argument("--warmup", type=int, default=20)
   parser.add_argument("--steps", type=int, default=30)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--batch", type=int, default=Sizes.batch)
+  parser.add_argument("--rows", type=int, default=Sizes.rows, help="a hashed table's rows at most")
+  parser.add_argument("--features", type=int, default=Sizes.features, help="the first features only")
   args = parser.parse_args()
   try:
-    result = measure(args.system, args.warmup, args.steps, args.seed)
+    result = measure(
+      args.system, args.warmup, args.steps, args.seed, Sizes(args.batch, args.rows, args.features)
+    )
   except ImportError as err:
     result = {"error": f"not installed here ({err})"}
   print(json.dumps(result))

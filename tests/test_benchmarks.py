@@ -72,6 +72,11 @@ def test_benchmark_harness_runs_on_tiny_sizes():
       ],
     ),
     (
+      "models",
+      ["--scale", "0.01", "--warmup", "2", "--steps", "2", "--runs", "1", "--systems", "jaxres"],
+      ["3 sparse features", "| jr.EmbeddingCollection (LRU", ">= 2x faster per example than TorchRec"],
+    ),
+    (
       "embedding",
       [
         "--scale",

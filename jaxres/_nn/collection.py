@@ -181,7 +181,12 @@ class EmbeddingCollection(nnx.Module):
       except (TypeError, ValueError) as err:
         raise type(err)(f"tables[{name!r}]: {err}") from err
     self.tables = nnx.data(built)  # a dict: a table named 'items' must not hide a method
-    self.features = {name: features[name] for name in sorted(features)}
+    self._features = tuple((name, features[name]) for name in sorted(features))  # static: hashable
+
+  @property
+  def features(self) -> dict[str, FeatureConfig]:
+    """Feature name -> :class:`FeatureConfig`."""
+    return dict(self._features)
 
   def __call__(self, inputs: Mapping[str, Any]) -> dict[str, jax.Array]:
     """The rows of each feature of ``inputs``: ``{name: float32[batch, features]}`` (pooled), or
