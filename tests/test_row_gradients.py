@@ -205,3 +205,11 @@ def test_a_row_optimizer_handed_to_nnx_optimizer_is_a_type_error():
     nnx.Optimizer(Tower(), jr.CatchUpAdam(1e-3), wrt=nnx.Param)
   with pytest.raises(TypeError, match=r"CatchUpAdam.*row optimizer"):
     optax.chain(optax.clip(1.0), jr.CatchUpAdam(1e-3)).init(jnp.zeros(3))
+
+
+def test_keyword_arguments_are_bound_to_their_positions():
+  model, reference = Tower(optimizer=SGD), Tower(optimizer=SGD)
+  ids, labels = POOL[:4].reshape(2, 2), np.ones(2, np.float32)
+  loss, _ = jr.value_and_grad(loss_fn)(model, labels=labels, ids=ids)
+  reference_loss, _ = jr.value_and_grad(loss_fn)(reference, ids, labels)
+  assert float(loss) == float(reference_loss) and _state_bytes(model) == _state_bytes(reference)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -198,7 +199,17 @@ def value_and_grad(
 def grad(fn: Callable | None = None, *, argnums: Any = 0, has_aux: bool = False, **options) -> Callable:
   """As ``nnx.grad``; in addition, every jaxres embedding row ``fn`` looks up takes its step.
 
-  See :func:`value_and_grad`: the same, returning ``grads`` (or ``(grads, aux)``).
+  :func:`value_and_grad` without the value: see there how the rows are found and stepped.
+
+  Args:
+    fn: the function to differentiate, as for ``nnx.grad``.
+    argnums: as ``nnx.grad``: an int, an ``nnx.DiffState`` or a sequence of them.
+    has_aux: ``fn`` returns ``(loss, aux)``.
+    **options: passed to ``nnx.grad``.
+
+  Returns:
+    A function of ``fn``'s arguments returning ``grads`` (or ``(grads, aux)``), as ``nnx.grad``'s:
+    the dense parameters only.
 
   Examples:
     >>> import jax.numpy as jnp, numpy as np, optax, jaxres as jr
@@ -220,7 +231,14 @@ def _with_row_steps(fn: Callable, argnums, has_aux: bool, options: dict, *, retu
   listed = tuple(argnums) if many else (argnums,)
 
   @functools.wraps(fn)
-  def wrapper(*args):
+  def wrapper(*args, **kwargs):
+    if kwargs:  # as nnx.value_and_grad: keyword arguments bound to their positions
+      bound = inspect.signature(fn).bind(*args, **kwargs)
+      if bound.kwargs:
+        raise TypeError(
+          f"{fn.__name__}: keyword-only arguments cannot be differentiated: {sorted(bound.kwargs)}."
+        )
+      args = bound.args
     found = _lookups_of(fn, args)
     if not found.keys:
       return differentiate(fn, argnums=argnums, has_aux=has_aux, **options)(*args)
