@@ -24,11 +24,12 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
 import statistics
 import time
 
 import numpy as np
+
+from benchmarks.step_peers import process_group
 
 CARDINALITIES = (
   1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
@@ -167,18 +168,6 @@ def jaxres(sizes: Sizes):
   return prepare, run, {"bytes": state, "rows": sum(capacities), "versions": versions}
 
 
-def _process_group():
-  """A one-process gloo group, which TorchRec's sharded modules need."""
-  import torch.distributed as dist
-
-  if not dist.is_initialized():
-    with socket.socket() as s:
-      s.bind(("localhost", 0))
-      port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-
-
 def torchrec(sizes: Sizes):
   """TorchRec's sharded ``EmbeddingBagCollection`` (``DistributedModelParallel``, FBGEMM's CPU kernels)
   over ids hashed to rows, mean pooling of jagged ids (``KeyedJaggedTensor``: no padding), row-wise
@@ -189,7 +178,7 @@ def torchrec(sizes: Sizes):
   from torchrec.distributed.model_parallel import DistributedModelParallel
   from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-  _process_group()
+  process_group()
   torch.manual_seed(0)
   configs = [
     tr.EmbeddingBagConfig(

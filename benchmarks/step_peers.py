@@ -243,7 +243,7 @@ def torch_sparse_adam(capacity: int):
   return torch.from_numpy, step
 
 
-def _process_group():
+def process_group():
   """A one-process gloo group, which TorchRec's sharded modules need."""
   import torch.distributed as dist
 
@@ -266,7 +266,7 @@ def torchrec_sharded(capacity: int):
   from torchrec.distributed.model_parallel import DistributedModelParallel
   from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-  _process_group()
+  process_group()
   torch.manual_seed(0)
   config = torchrec.EmbeddingConfig(
     name="table", embedding_dim=FEATURES, num_embeddings=capacity, feature_names=["ids"]

@@ -42,6 +42,8 @@ CONFINED = {
     "jaxres._shell.resource",
     "jaxres._integrations.nnx",
     "jaxres._nn.embedding",
+    "jaxres._nn.collection",  # an nnx.Module of embeddings
+    "jaxres._nn.row_gradients",  # jr.value_and_grad: nnx.value_and_grad with the rows' gradients
     "jaxres._serving.served_state",
     "jaxres.examples",
     "jaxres.demo",
