@@ -142,7 +142,7 @@ _AUTODIFF_TRACES = ("JVPTrace", "LinearizeTrace")  # forward mode, and the linea
 
 
 def value_and_grad(
-  fn: Callable | None = None, *, argnums: Any = 0, has_aux: bool = False, **options
+  fn: Callable | None = None, argnums: Any = 0, has_aux: bool = False, **options
 ) -> Callable:
   """As ``nnx.value_and_grad``; in addition, every jaxres embedding row ``fn`` looks up takes its step.
 
@@ -196,7 +196,7 @@ def value_and_grad(
   return _with_row_steps(fn, argnums, has_aux, options, return_value=True)
 
 
-def grad(fn: Callable | None = None, *, argnums: Any = 0, has_aux: bool = False, **options) -> Callable:
+def grad(fn: Callable | None = None, argnums: Any = 0, has_aux: bool = False, **options) -> Callable:
   """As ``nnx.grad``; in addition, every jaxres embedding row ``fn`` looks up takes its step.
 
   :func:`value_and_grad` without the value: see there how the rows are found and stepped.
