@@ -494,3 +494,21 @@ def _fresh_directory():
 
 
 TestCollectionMachine = CollectionMachine.TestCase
+
+
+def test_all_padding_examples_give_finite_gradients_to_their_weights():
+  """sqrtn's root of the squared weights has an infinite slope at 0: the pooling keeps it away."""
+  model = jr.EmbeddingCollection(
+    {"t": jr.TableConfig(16, 2, optimizer=SGD)},
+    {c: jr.FeatureConfig("t", combiner=c) for c in ("mean", "sqrtn")},
+    rngs=nnx.Rngs(0),
+  )
+  ids = POOL[:6].reshape(2, 3)
+  mask = np.array([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]], np.float32)  # the second example: all padding
+
+  def loss(scale, model):
+    out = model({c: (ids, mask * scale) for c in ("mean", "sqrtn")})
+    return sum(jnp.sum(x) for x in out.values())
+
+  grad = jr.grad(loss)(jnp.float32(2.0), model)
+  assert np.isfinite(float(grad))

@@ -213,3 +213,58 @@ def test_keyword_arguments_are_bound_to_their_positions():
   loss, _ = jr.value_and_grad(loss_fn)(model, labels=labels, ids=ids)
   reference_loss, _ = jr.value_and_grad(loss_fn)(reference, ids, labels)
   assert float(loss) == float(reference_loss) and _state_bytes(model) == _state_bytes(reference)
+
+
+@pytest.mark.parametrize(
+  "fn, has_aux, match",
+  [
+    (lambda m, ids: m.emb(ids), False, "scalar loss"),  # rows, not a loss
+    (lambda m, ids: jnp.sum(m.emb(ids)), True, r"\(loss, aux\)"),
+    (lambda m, ids: jnp.sum(m.emb(ids)).astype(jnp.int32), False, "floating point loss"),
+  ],
+)
+def test_a_function_that_cannot_be_differentiated_fails_before_the_model_changes(fn, has_aux, match):
+  """Eagerly, the lookups of the differentiated pass must not consume the model's arrays first."""
+  model = Tower(optimizer=SGD)
+  model.emb(POOL[:2])
+  before = _state_bytes(model)
+  with pytest.raises(TypeError, match=match):
+    jr.value_and_grad(fn, has_aux=has_aux)(model, POOL[:4])
+  assert _state_bytes(model) == before and model.emb.size() == 2
+
+
+def test_negative_argnums_count_from_the_end_of_the_arguments():
+  model, reference = Tower(optimizer=SGD), Tower(optimizer=SGD)
+  scale = jnp.float32(3.0)
+
+  def scaled(model, scale):
+    return scale * jnp.sum(model.emb(POOL[:3]))
+
+  (loss, grads), want = (
+    jr.value_and_grad(scaled, argnums=-1)(model, scale),
+    jr.value_and_grad(scaled, argnums=1)(reference, scale),
+  )
+  assert float(loss) == float(want[0]) and float(grads) == float(want[1])
+  assert _state_bytes(model) == _state_bytes(reference)
+
+
+def test_rows_taken_by_a_later_insert_do_not_take_an_earlier_lookups_gradient():
+  """A lookup's rows are found again when an insert moved the table on since (here a nested
+  differentiation that evicts): evicted ids drop their gradient, the ids now in their rows keep theirs."""
+  emb = jr.DynamicEmbedding(4, FEATURES, optimizer=optax.sgd(1.0), eviction=jr.LRU(), rngs=nnx.Rngs(0))
+  first, newer = np.arange(4, dtype=np.int64), np.array([4, 5], np.int64)
+  fresh = jr.DynamicEmbedding(8, FEATURES, optimizer=optax.sgd(1.0), rngs=nnx.Rngs(0))
+  initial = dict(zip(range(6), np.asarray(fresh(np.arange(6, dtype=np.int64)))))
+
+  def outer(emb):
+    rows = emb(first)
+    jr.grad(lambda emb: 0.0 * jnp.sum(emb(newer)))(emb)  # evicts the two oldest ids: 0 and 1
+    return jnp.sum(rows)
+
+  jr.grad(outer)(emb)
+  rows = dict(zip(emb.export()[0].tolist(), emb.export()[1]))
+  assert sorted(rows) == [2, 3, 4, 5]
+  for key in (4, 5):
+    np.testing.assert_array_equal(rows[key], initial[key])  # not 0's or 1's gradient
+  for key in (2, 3):
+    np.testing.assert_allclose(rows[key], initial[key] - 1.0, rtol=1e-6)

@@ -277,7 +277,10 @@ class DynamicEmbedding(nnx.Module):
     else:
       tape.admit(self)
     counts = None if self.counts is None else self.counts.get_value()
-    table, counts, tallies, rows, lookup, clock = embedding_steps.embed(
+    # Eagerly inside a differentiated function, the arrays are not donated: the function may still
+    # fail, and its arguments must then be as they were (under jit, donation is the caller's).
+    embed = embedding_steps.embed if tape is None else embedding_steps.embed_keeping
+    table, counts, tallies, rows, lookup = embed(
       self._spec, table, counts, self.counters.get_value(), self.seed.get_value(), words, valid, shared
     )
     self.table.set_value(table)
@@ -286,7 +289,7 @@ class DynamicEmbedding(nnx.Module):
     self.counters.set_value(tallies)
     if tape is not None:
       return tape.record(self, rows, lookup)
-    self.recent.set_value((lookup.words, lookup.index, clock))
+    self.recent.set_value((lookup.words, lookup.index, lookup.clock))
     return rows
 
   def apply_gradients(self, ids, row_grads, weights=None) -> None:
@@ -341,7 +344,9 @@ class DynamicEmbedding(nnx.Module):
     differentiated), with their gradients (``float32[N, features]`` each): what
     :func:`jaxres.value_and_grad` calls.
 
-    A single lookup's rows are those it located; the ids of several are found again.
+    The rows are those each lookup located, while the table is as that lookup
+    left it; after a later insert they are found again (see
+    :func:`~jaxres._nn.embedding_steps.rows_of_lookups`).
     """
     self._check_training("step_rows")
     if len(lookups) != len(grads) or not lookups:
@@ -349,8 +354,7 @@ class DynamicEmbedding(nnx.Module):
     words = jnp.concatenate([lookup.words for lookup in lookups])
     if not words.shape[0]:
       return
-    index = lookups[0].index if len(lookups) == 1 else None
-    valid = jnp.concatenate([lookup.valid for lookup in lookups])
+    index, valid = embedding_steps.rows_of_lookups(self.table.get_value(), tuple(lookups))
     self._step(words, jnp.concatenate([g.reshape(-1, self.features) for g in grads]), index, valid)
 
   def _step(self, words, grads, index, valid) -> None:

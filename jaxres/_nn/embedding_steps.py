@@ -40,15 +40,13 @@ class Spec:
     return self.optimizer.features
 
 
-# The module's arrays are donated: an eager call updates them in place (under jit, the caller donates).
-@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("table", "counts", "tallies"))
-def embed(spec: Spec, table: Table, counts, tallies, seed, words, valid, shared):
-  """One lookup: ``(table, counts, counters, rows, lookup, clock)``, each id located once in ``table``.
+def _embed(spec: Spec, table: Table, counts, tallies, seed, words, valid, shared):
+  """One lookup: ``(table, counts, counters, rows, lookup)``, each id located once in ``table``.
 
   ``valid`` (``bool[N]`` or ``None`` for all) marks the ids that are not
   padding; the others are not looked up, counted or given rows, and read
   zeros. ``lookup`` is the :class:`~jaxres._nn.row_gradients.Lookup` of the
-  rows' step, ``clock`` the table's clock after the lookup.
+  rows' step.
   """
   keys = table.key_spec.decode(words)
   before = table.size
@@ -75,8 +73,14 @@ def embed(spec: Spec, table: Table, counts, tallies, seed, words, valid, shared)
   rows = with_shared(values["row"], present, words, shared)
   if valid is not None:
     rows = jnp.where(valid[:, None], rows, 0.0)
-  lookup = Lookup(words, index, looked_up)
-  return table, counts, tallies, rows, lookup, table.clock + jnp.uint32(0)
+  clock = table.clock + jnp.uint32(0)
+  return table, counts, tallies, rows, Lookup(words, index, looked_up, clock)
+
+
+# The module's arrays are donated: an eager call updates them in place (under jit, the caller donates).
+embed = jax.jit(_embed, static_argnames=("spec",), donate_argnames=("table", "counts", "tallies"))
+# Without donation: eagerly inside a differentiated function, whose failure must leave them as they were.
+embed_keeping = jax.jit(_embed, static_argnames=("spec",))
 
 
 def _admit(spec: Spec, counts: Table, keys, words, waiting):
@@ -154,6 +158,28 @@ def _step_rows(spec: Spec, table: Table, step, rows, total) -> Table:
 
   _, table = jax.lax.while_loop(lambda carry: carry[0] < count, take_step, (jnp.int32(0), table))
   return table
+
+
+@jax.jit
+def rows_of_lookups(table: Table, lookups) -> tuple[jax.Array, jax.Array]:
+  """``(index, valid)`` of the ids of ``lookups`` (concatenated) on ``table`` now.
+
+  A lookup's rows stand while the table's clock is the one it left; after a
+  later insert (another lookup, say) its ids are found again: an id that had
+  a row keeps the row it has now, or is dropped (evicted since: the row it
+  read is gone); an id that had none (refused: it read zeros or its shared
+  row) still has none, so its gradient goes where its read came from.
+  """
+  index, valid = [], []
+  for lookup in lookups:
+    keys = table.key_spec.decode(lookup.words)
+    found = jax.lax.cond(
+      lookup.clock == table.clock, lambda i=lookup.index: i, lambda k=keys: table.find_rows(k)
+    )
+    had = lookup.index >= 0
+    index.append(jnp.where(had, found, -1))
+    valid.append(lookup.valid & ~(had & (found < 0)))
+  return jnp.concatenate(index), jnp.concatenate(valid)
 
 
 def rows_of(table: Table, words, recent) -> jax.Array | None:

@@ -85,5 +85,6 @@ def pool(rows: jax.Array, weights: jax.Array | None, combiner) -> jax.Array:
   if combiner == "mean":
     scale = jnp.sum(weights, axis=1)
   else:
-    scale = jnp.sqrt(jnp.sum(jnp.square(weights), axis=1))
+    squares = jnp.sum(jnp.square(weights), axis=1)
+    scale = jnp.sqrt(jnp.where(squares > 0, squares, 1.0))  # no infinite slope at 0: no NaN gradient
   return total / jnp.where(scale > 0, scale, 1.0)[:, None]

@@ -24,6 +24,7 @@ left untrained without a word.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import threading
@@ -42,6 +43,7 @@ class Lookup(NamedTuple):
   words: jax.Array  # uint32[N, W]: the ids' key words
   index: jax.Array  # int32[N]: the value row each id was given (-1: none)
   valid: jax.Array  # bool[N]: not padding
+  clock: jax.Array  # uint32[]: the table's clock after the lookup (its rows hold while it stands)
 
 
 class TakesRowSteps(Protocol):
@@ -94,7 +96,9 @@ class Tape:
     if path is None:
       raise ValueError(
         f"{embedding!r} was looked up by the function jr.value_and_grad differentiates, but it is not "
-        "reachable from the function's arguments; pass the model that holds it as an argument."
+        "reachable from the function's arguments: pass the model that holds it as an argument (a lookup "
+        "inside a transform within the function, nnx.jit, nnx.remat or nnx.scan, sees a copy of the "
+        "model, which jr.value_and_grad cannot step: look the ids up outside such transforms)."
       )
     return path
 
@@ -239,9 +243,11 @@ def _with_row_steps(fn: Callable, argnums, has_aux: bool, options: dict, *, retu
           f"{fn.__name__}: keyword-only arguments cannot be differentiated: {sorted(bound.kwargs)}."
         )
       args = bound.args
-    found = _lookups_of(fn, args)
+    found, out = _lookups_of(fn, args)
     if not found.keys:
       return differentiate(fn, argnums=argnums, has_aux=has_aux, **options)(*args)
+    _check_output(fn, out, has_aux)
+    positions = _positions(listed, len(args))
 
     def with_sinks(*args_and_sinks):
       *inner, sinks = args_and_sinks
@@ -254,7 +260,7 @@ def _with_row_steps(fn: Callable, argnums, has_aux: bool, options: dict, *, retu
       return loss, (aux, tape.lookups)
 
     sinks = [jnp.zeros(s.shape, s.dtype) for s in found.shapes]
-    differentiated = differentiate(with_sinks, argnums=(*listed, len(args)), has_aux=True, **options)
+    differentiated = differentiate(with_sinks, argnums=(*positions, len(args)), has_aux=True, **options)
     out = differentiated(*args, sinks)
     if return_value:
       (loss, (aux, lookups)), grads = out
@@ -270,15 +276,16 @@ def _with_row_steps(fn: Callable, argnums, has_aux: bool, options: dict, *, retu
   return wrapper
 
 
-def _lookups_of(fn: Callable, args: tuple) -> Tape:
-  """The tape of ``fn(*args)`` evaluated abstractly: its training-mode lookups, keyed, and their shapes.
+def _lookups_of(fn: Callable, args: tuple) -> tuple[Tape, Any]:
+  """``(tape, out)`` of ``fn(*args)`` evaluated abstractly: its training-mode lookups, keyed, with
+  their shapes, and the shapes of what it returns.
 
   Arguments holding NNX objects are made abstract (nothing in them changes);
   the others stay as they are, so that checks of their values (weights, say)
   fail here, before anything has changed.
   """
   graph_at = [i for i, arg in enumerate(args) if _holds_graph_nodes(arg)]
-  tapes = []
+  tapes, outs = [], []
 
   def trace(*graph_args):
     full = list(args)
@@ -287,10 +294,42 @@ def _lookups_of(fn: Callable, args: tuple) -> Tape:
     tape = Tape(tuple(full))
     tapes.append(tape)
     with _recording(tape):
-      fn(*full)
+      outs.append(fn(*full))  # only its structure, shapes and dtypes are read
 
   nnx.eval_shape(trace, *(args[i] for i in graph_at))
-  return tapes[-1]
+  return tapes[-1], outs[-1]
+
+
+def _check_output(fn: Callable, out, has_aux: bool) -> None:
+  """Raises, before the function runs for real (and changes its embeddings), what differentiating
+  its output would: it must be a real scalar (and an aux with ``has_aux``)."""
+  name = getattr(fn, "__name__", repr(fn))
+  if has_aux:
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+      raise TypeError(
+        f"{name}: with has_aux=True, expected the function to return (loss, aux), got {type(out)}."
+      )
+    out = out[0]
+  if not isinstance(out, (jax.Array, float)) or jnp.shape(out) != ():
+    shape = jnp.shape(out) if isinstance(out, jax.Array) else type(out).__name__
+    raise TypeError(f"{name}: expected the function to return a scalar loss to differentiate, got {shape}.")
+  if not jnp.issubdtype(jnp.result_type(out), jnp.inexact):
+    raise TypeError(f"{name}: expected a floating point loss to differentiate, got {jnp.result_type(out)}.")
+
+
+def _positions(argnums: tuple, count: int) -> tuple:
+  """``argnums`` with negative positions counted from the end of ``count`` arguments (one more,
+  the sinks, is appended after them)."""
+  positioned = []
+  for argnum in argnums:
+    if isinstance(argnum, nnx.DiffState):
+      argnum = dataclasses.replace(
+        argnum, argnum=argnum.argnum % count if argnum.argnum < 0 else argnum.argnum
+      )
+    elif isinstance(argnum, int) and argnum < 0:
+      argnum = argnum % count
+    positioned.append(argnum)
+  return tuple(positioned)
 
 
 def _holds_graph_nodes(arg) -> bool:
