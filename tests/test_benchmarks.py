@@ -54,6 +54,11 @@ def test_benchmark_harness_runs_on_tiny_sizes():
   ("module", "args", "rows"),
   [
     (
+      "memory",
+      ["--capacity", "1024", "--features", "4"],
+      ["| `optax.adam` | int64 | jr.LRU() | ", "| `admission_capacity` ids | int32 | "],
+    ),
+    (
       "deltas",
       ["--rows", "4096", "--runs", "1", "--shares", "0.01,0.5"],
       ["| 1% (40) | ", "| 50% (2,048) | ", "/ touched rows' bytes (goal <= 1.5)"],

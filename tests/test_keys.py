@@ -103,6 +103,8 @@ _X64_SELECTIONS = {
     "test_embedding.py::test_int64_ids_with_equal_low_words_get_distinct_rows",
     "test_eviction.py::test_runs_are_deterministic",
     "test_sharded.py::test_checkpoint_round_trip_8_4_8_devices",
+    "test_memory.py::test_embedding_memory_sums_to_its_state_before_and_after_a_step",
+    "test_memory.py::test_capacity_for_is_the_largest_capacity_that_fits",
   ],
 }
 

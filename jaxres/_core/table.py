@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxres._core import call_args, display, row_protocol
+from jaxres._core import call_args, display, memory, row_protocol
 from jaxres._core.encoding import key_specs
 from jaxres._core.encoding.value_specs import ValueSpec
 from jaxres._core.kernels.row_ops import select_rows
@@ -676,6 +676,34 @@ class Table(RowProtocol):
     target = self._with_capacity(capacity)._carry(self)._advance()  # every entry newer than before
     given_scores = scores if self.eviction is not None else None
     return row_protocol.upsert(target, words, leaves, valid, given_scores, mode=Upsert.INSERT, tick=False)[0]
+
+  # ------------------------------------------------ memory
+
+  def memory(self) -> dict[str, int]:
+    """Bytes the table's arrays hold: ``{"values": ..., "index": ...}``, summing to all of them.
+
+    ``values``: the value rows and the default (by leaf: :meth:`value_memory`);
+    ``index``: the rest (keys and the slots that find them, scores, change
+    stamps, free rows, counters). A table's bytes do not change with its
+    size: its arrays are sized by its capacity.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jaxres as jr
+      >>> t = jr.SortedTable.create(1000, key=jnp.int32, value=jax.ShapeDtypeStruct((4,), jnp.float32))
+      >>> t.memory()
+      {'values': 16016, 'index': 5024}
+    """
+    values = sum(jax.tree.leaves(self.value_memory()))
+    return {"values": values, "index": memory.nbytes(self) - values}
+
+  def value_memory(self):
+    """The bytes of each value leaf (its rows and default), as the value pytree of ``int``\\ s."""
+    leaves = [memory.nbytes(arrays) for arrays in self._value_arrays()]
+    return jax.tree.unflatten(self.value_spec.treedef, leaves)
+
+  def _value_arrays(self) -> list:
+    """Per value leaf, the arrays that hold it (its rows and its default)."""
+    return [(rows, default) for rows, default in zip(self.values, self.default)]
 
   # ------------------------------------------------ entries in and out
 

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxres._core import memory
 from jaxres._errors import check_int
 from jaxres._nn import pooling
 from jaxres._nn.embedding import DynamicEmbedding
@@ -250,6 +251,28 @@ class EmbeddingCollection(nnx.Module):
         return rows
       return pooling.pool(rows[:, None], feature.weights[:, None], combiner)
     return pooling.pool(rows, feature.weights, combiner)
+
+  def memory(self) -> dict[str, int]:
+    """Bytes the collection holds now, by part, summing to the bytes of ``nnx.state(emb)``: each
+    part (``rows``, ``optimizer``, ``index``, ...) summed over the tables, as
+    :meth:`jaxres.DynamicEmbedding.memory` gives it for one (``emb.tables[name].memory()``).
+
+    Examples:
+      >>> import optax, jaxres as jr
+      >>> from flax import nnx
+      >>> tables = {"items": jr.TableConfig(1000, 8, optimizer=optax.sgd(0.1)),
+      ...           "users": jr.TableConfig(100, 4, optimizer=optax.adagrad(0.1))}
+      >>> emb = jr.EmbeddingCollection(tables, {"item": jr.FeatureConfig("items")}, rngs=nnx.Rngs(0))
+      >>> parts = emb.memory()
+      >>> parts["rows"] == (1000 + 1) * 8 * 4 + (100 + 1) * 4 * 4, parts["optimizer"]  # and adagrad's sums
+      (True, 1616)
+    """
+    parts: dict[str, int] = {}
+    for table in self.tables.values():
+      for part, held in table.memory().items():
+        parts[part] = parts.get(part, 0) + held
+    parts["other"] += memory.nbytes(nnx.state(self)) - sum(parts.values())
+    return parts
 
   def __repr__(self) -> str:
     tables = ", ".join(f"{name!r}: {t.capacity} x {t.features}" for name, t in self.tables.items())

@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxres._core import memory
 from jaxres._core.policies import check_policy
 from jaxres._core.sharding.sharded_table import ShardedTable
 from jaxres._core.storages.open_addressing import OpenAddressingTable
@@ -403,6 +404,75 @@ class DynamicEmbedding(nnx.Module):
     """``{"admitted", "refused", "unadmitted", "full", "evictions"}``: ids given rows; lookups given
     none, in all, while waiting for ``min_count`` and for a full table; ids evicted."""
     return counters.read(self.counters.get_value())
+
+  def memory(self) -> dict[str, int]:
+    """Bytes the module holds now, by part, summing to the bytes of ``nnx.state(emb)``.
+
+    ``rows``: the embedding rows; ``optimizer``: their row optimizer's state
+    (with its step count, if any); ``index``: the hash table's keys, slots,
+    scores, change stamps and free rows; ``admission``: the counts of ids
+    waiting for ``min_count``; ``shared``: the ``oov_buckets`` shared rows
+    and their optimizer state; ``other``: counters, the seed, and the rows of
+    the last lookup kept for :meth:`apply_gradients`. The bytes are the
+    arrays', sized by ``capacity`` whatever the number of ids held (on a mesh:
+    over all devices, the admission counts and shared rows counted once).
+
+    Examples:
+      >>> import optax, jaxres as jr
+      >>> from flax import nnx
+      >>> emb = jr.DynamicEmbedding(1000, 16, optimizer=optax.sgd(0.1), rngs=nnx.Rngs(0))
+      >>> emb.memory()
+      {'rows': 64064, 'optimizer': 0, 'index': 40020, 'admission': 0, 'shared': 0, 'other': 40}
+    """
+    table = self.table.get_value()
+    values = table.value_memory()
+    parts = {
+      "rows": values["row"],
+      "optimizer": sum(jax.tree.leaves(values["slots"])) + memory.nbytes(nnx.state(self, EmbeddingStep)),
+      "index": table.memory()["index"],
+      "admission": memory.nbytes(None if self.counts is None else self.counts.get_value()),
+      "shared": memory.nbytes(None if self.shared is None else self.shared.get_value()),
+    }
+    parts["other"] = memory.nbytes(nnx.state(self)) - sum(parts.values())
+    return parts
+
+  @classmethod
+  def capacity_for(
+    cls, nbytes: int, features: int, *, optimizer, key=jnp.int64, min_count: int = 1, **options
+  ) -> int:
+    """The largest ``capacity`` whose embedding holds at most ``nbytes`` (:meth:`memory`'s sum).
+
+    Takes the arguments of the constructor but ``capacity`` and ``rngs``
+    (``eviction``, ``admission_capacity``, ``oov_buckets``, ``mesh`` and
+    ``axis``, ...): the module is built abstractly (``nnx.eval_shape``), a
+    few times, and nothing is allocated. With ``min_count > 1`` and no
+    ``admission_capacity``, the admission counts grow with the capacity and
+    share the budget. The same arguments make a :class:`jaxres.TableConfig`.
+
+    Raises:
+      TypeError, ValueError: as the constructor, naming the argument; ``nbytes``
+        negative or too small for a capacity of 1.
+
+    Examples:
+      >>> import optax, jaxres as jr
+      >>> c = jr.DynamicEmbedding.capacity_for(64 << 20, 16, optimizer=optax.adam(1e-3), eviction=jr.LRU())
+      >>> c, round(c * 16 * 4 * 3 / (64 << 20), 2)  # share of rows of 16 floats and adam's two moments
+      (275035, 0.79)
+    """
+    if "rngs" in options or "capacity" in options:
+      raise TypeError(
+        "capacity_for: takes neither capacity nor rngs (it searches the first, builds with its own)."
+      )
+
+    def bytes_at(capacity: int) -> int:
+      build = lambda: cls(
+        capacity, features, optimizer=optimizer, key=key, min_count=min_count, rngs=nnx.Rngs(0), **options
+      )
+      return memory.nbytes(nnx.state(nnx.eval_shape(build)))
+
+    mesh, axis = options.get("mesh"), options.get("axis")
+    smallest = 1 if mesh is None else ShardedTable.smallest_capacity(mesh, axis, options.get("eviction"))
+    return memory.largest_capacity(bytes_at, nbytes, smallest=smallest)
 
   @property
   def key_spec(self):

@@ -84,9 +84,10 @@ class RowOptimizer:
 
   def _check_elementwise(self) -> None:
     """Raises ``ValueError`` when an element's update depends on other elements of its row."""
-    probe = jnp.linspace(-3.0, 5.0, self.features, dtype=jnp.float32)  # large: norm clips engage
-    state = self.transformation.init(probe)
-    jacobian = np.asarray(jax.jacfwd(lambda g: self.transformation.update(g, state, probe)[0])(probe * 10))
+    with jax.ensure_compile_time_eval():  # concrete under a trace too (nnx.eval_shape of a model)
+      probe = jnp.linspace(-3.0, 5.0, self.features, dtype=jnp.float32)  # large: norm clips engage
+      state = self.transformation.init(probe)
+      jacobian = np.asarray(jax.jacfwd(lambda g: self.transformation.update(g, state, probe)[0])(probe * 10))
     if np.any(jacobian[~np.eye(self.features, dtype=bool)] != 0):
       raise ValueError(
         "optimizer: the update of an element depends on other elements of its row (a norm clip or a "

@@ -243,6 +243,11 @@ class LookupTable(Resource):
     """Live entries the table holds before it next grows."""
     return self.state.capacity
 
+  def memory(self) -> dict[str, int]:
+    """Bytes the table holds now: ``{"values": ..., "index": ...}`` (:meth:`jaxres.Table.memory` of
+    its state), sized by its capacity, whatever its size."""
+    return self._current().memory()
+
   def size(self):
     """The number of live entries (an int32 array)."""
     return self._current().size

@@ -36,6 +36,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from jaxres._core import memory
 from jaxres._core.encoding import key_specs
 from jaxres._core.encoding.value_specs import ValueSpec
 from jaxres._core.kernels import claims
@@ -158,6 +159,26 @@ class ShardedTable(Table):
       for x, rank in zip(leaves, self.shard_ranks, strict=True)
     ]
     return jax.tree.unflatten(treedef, stacked)
+
+  @classmethod
+  def capacity_for(cls, nbytes: int, mesh: Mesh, axis: str, key, value, default=0, **options) -> int:
+    """The largest capacity whose table (:meth:`create` with these arguments) holds at most
+    ``nbytes`` over all its shards (:meth:`memory`), found without allocating a table."""
+    create = lambda c: cls.create(mesh, axis, c, key, value, default, **options)
+    smallest = cls.smallest_capacity(mesh, axis, options.get("eviction"))
+    return memory.largest_capacity(
+      lambda c: memory.nbytes(jax.eval_shape(lambda: create(c))), nbytes, smallest=smallest
+    )
+
+  @staticmethod
+  def smallest_capacity(mesh: Mesh, axis: str, eviction=None) -> int:
+    """The smallest capacity of a table over ``axis`` of ``mesh``: one row per shard when it evicts."""
+    return 1 if eviction is None else mesh.shape.get(axis, 1)
+
+  def _value_arrays(self) -> list:
+    return [
+      (rows, *defaults) for rows, defaults in zip(self.parts.values, zip(self.parts.default, self.default))
+    ]
 
   def _with_shards(self, shards: Storage) -> ShardedTable:
     """This table holding ``shards`` (stacked, as :attr:`shards` gives them)."""
@@ -586,7 +607,7 @@ def _shard_capacity(capacity: int, num_shards: int, eviction) -> int:
   """The default capacity of each shard: headroom without eviction, an exact share with it."""
   if eviction is None:
     return shard_capacity_for(capacity, num_shards)
-  if capacity < num_shards:
+  if capacity < num_shards:  # see ShardedTable.smallest_capacity
     raise ValueError(
       f"capacity: an evicting table over {num_shards} shards holds capacity // {num_shards} entries per "
       f"shard; expected capacity >= {num_shards}, got {capacity}."

@@ -23,7 +23,7 @@ import operator
 import jax
 import jax.numpy as jnp
 
-from jaxres._core import call_args
+from jaxres._core import call_args, memory
 from jaxres._core.kernels import claims
 from jaxres._core.kernels.row_ops import select_rows, take_rows, write_rows
 from jaxres._core.modes import Carry, Upsert
@@ -70,6 +70,22 @@ class Storage(Table):
   slot_scores: jax.Array  # uint32[num_slots] with an eviction policy, else uint32[0]
   row_stamps: jax.Array  # uint32[capacity] where entries keep their slots, else uint32[0]
   version: jax.Array  # uint32: calls that changed the table so far
+
+  @classmethod
+  def capacity_for(cls, nbytes: int, key, value, default=0, **options) -> int:
+    """The largest capacity whose table (``cls.create(capacity, key, value, default, **options)``)
+    holds at most ``nbytes`` (:meth:`memory`), found without allocating a table.
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxres as jr
+      >>> args = (jnp.int64, jnp.float32)
+      >>> c = jr.OpenAddressingTable.capacity_for(1 << 20, *args, eviction=jr.LRU())
+      >>> held = lambda c: sum(jr.OpenAddressingTable.create(c, *args, eviction=jr.LRU()).memory().values())
+      >>> c, held(c) <= 1 << 20 < held(c + 1)
+      (20164, True)
+    """
+    create = lambda c: cls.create(c, key, value, default, **options)
+    return memory.largest_capacity(lambda c: memory.nbytes(jax.eval_shape(lambda: create(c))), nbytes)
 
   def _tick(self) -> Storage:
     return dataclasses.replace(self, clock=self.clock + jnp.uint32(1), version=self.version + jnp.uint32(1))
