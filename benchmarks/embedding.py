@@ -10,14 +10,7 @@
   collisions). Each peer runs in a process of its own, ``--runs`` times (each
   run starting with another peer); every figure is the median of the runs,
   with their range.
-* **Quality** on the click and drift tasks of ``jaxres.examples``, at equal
-  memory: every system of :mod:`benchmarks.quality_peers` (jaxres with
-  ``jr.CatchUpAdam`` and with lazy Adam, a dense hashed ``nnx.Embed``,
-  PyTorch and TorchRec over hashed ids, TorchRec's managed collisions, TF
-  Recommenders-Addons with its restrict policy) trains the same click model
-  on the same batches with the same bytes of embedding state (optimizer
-  state included: those of 2^16 hashed rows with Adam, 12.6 MB); each figure
-  is the median over 3 seeds of the mean loss of the last 150 of 1,500 steps.
+Model quality at equal memory is :mod:`benchmarks.quality`'s.
 
 The peers need their own packages, never jaxres's: PyTorch and TorchRec come
 with the ``bench-torch`` extra (``pip install -e '.[bench,bench-torch]'``);
@@ -32,7 +25,6 @@ sizes above; smaller for a quick run), ``--steps`` (timed steps per run),
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -42,10 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import quality_peers
 from benchmarks import run as tables_run
 from benchmarks.eviction import zipf_stream
-from jaxres.examples import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 IDS = 4096
@@ -182,88 +172,6 @@ def report(times: dict, capacities: list[int], steps: int, runs: int) -> str:
   return "\n".join(lines)
 
 
-QUALITY_PEERS = {  # name -> (label, environment)
-  "jaxres": ("jr.DynamicEmbedding (LRU, min_count=2, jr.CatchUpAdam)", "jax"),
-  "jaxres-lazy": ("jr.DynamicEmbedding (LRU, min_count=2, lazy optax.adam)", "jax"),
-  "dense": ("nnx.Embed + optax.adam (hashed rows)", "jax"),
-  "torch-hashed": ("PyTorch nn.Embedding + Adam (hashed rows)", "torch"),
-  "torchrec-hashed": ("TorchRec EmbeddingCollection + Adam (hashed rows)", "torch"),
-  "torchrec-managed": ("TorchRec managed-collision EmbeddingCollection + Adam", "torch"),
-  "tfra-restrict": ("TFRA dynamic_embedding + Adam + TimestampRestrictPolicy", "tfra"),
-}
-BUDGET = (1 << 16) * quality_peers.ADAM_BYTES  # bytes: 2^16 hashed rows with Adam's moments
-
-
-def train_peer(peer: str, python: str, data: Path, budget: int, seed: int) -> dict:
-  """One process of :mod:`benchmarks.quality_peers`: ``{"losses", "bytes", "rows"}`` or ``{"error"}``."""
-  return run_peer(
-    python, "benchmarks.quality_peers", peer, "--data", data, "--budget", budget, "--seed", seed
-  )
-
-
-def quality(pythons: dict, peers: list[str], config: RunConfig, steps: int, seeds: int, budget: int) -> dict:
-  """``{peer: {"loss", "spread", "bytes", "rows"}}`` (or ``{"error"}``): the mean loss of the last
-  tenth of ``steps`` on the task of ``config``, the median over ``seeds`` streams (seed s: the stream
-  and every peer's initialisation), every peer on the same batches with ``budget`` bytes."""
-  tail = max(1, steps // 10)
-  runs = {peer: [] for peer in peers}
-  with tempfile.TemporaryDirectory() as folder:
-    for seed in range(seeds):
-      stream = dataclasses.replace(config, seed=seed).stream()
-      batches = [stream.batch(step) for step in range(steps)]
-      data = Path(folder) / f"{config.task}-{seed}.npz"
-      np.savez(data, ids=np.stack([b.ids for b in batches]), labels=np.stack([b.labels for b in batches]))
-      for peer in peers:
-        runs[peer].append(train_peer(peer, pythons[QUALITY_PEERS[peer][1]], data, budget, seed))
-  combined = {}
-  for peer, results in runs.items():
-    errors = [r["error"] for r in results if "error" in r]
-    if errors:
-      combined[peer] = {"error": errors[0]}
-      continue
-    losses = [float(np.mean(r["losses"][-tail:])) for r in results]
-    combined[peer] = {
-      "loss": float(np.median(losses)),
-      "spread": (min(losses), max(losses)),
-      "bytes": max(r["bytes"] for r in results),
-      "rows": results[0]["rows"],
-    }
-  return combined
-
-
-def quality_report(losses: dict, config: RunConfig, steps: int, seeds: int, budget: int) -> list[str]:
-  lines = []
-  for task, figures in losses.items():
-    lines += [
-      "",
-      f"### Quality, {task} task: mean loss of the last {max(1, steps // 10)} of {steps} steps "
-      f"({config.batch_size} examples x {config.num_fields} ids), "
-      f"{budget / 1e6:.2f} MB of embedding state each",
-      "",
-      "| system | rows | MB | loss, median of " + f"{seeds} seeds (range) |",
-      "|---|---|---|---|",
-    ]
-    for peer, f in sorted(figures.items(), key=lambda kv: kv[1].get("loss", np.inf)):
-      label = QUALITY_PEERS[peer][0]
-      if "error" in f:
-        lines.append(f"| {label} | n/a | n/a | not measured: {f['error']} |")
-      else:
-        lo, hi = f["spread"]
-        loss = f"{f['loss']:.4f} ({lo:.4f}-{hi:.4f})"
-        lines.append(f"| {label} | {f['rows']:,} | {f['bytes'] / 1e6:.2f} | {loss} |")
-    measured = {p: f["loss"] for p, f in figures.items() if "error" not in f}
-    others = {p: v for p, v in measured.items() if not p.startswith("jaxres")}
-    if "jaxres" in measured and others:
-      best = min(others, key=others.get)
-      met = "yes" if measured["jaxres"] < others[best] else "**no**"
-      lines += [
-        "",
-        f"Goal, lowest loss at equal memory: jaxres {measured['jaxres']:.4f} against the best peer "
-        f"({QUALITY_PEERS[best][0]}) {others[best]:.4f}: met {met}.",
-      ]
-  return lines
-
-
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--scale", type=float, default=1.0, help="1.0: the sizes of the report")
@@ -272,13 +180,6 @@ def main(argv=None) -> None:
   parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated, of: " + ", ".join(PEERS))
   parser.add_argument("--tfra-python", default=os.environ.get("JAXRES_BENCH_TFRA_PYTHON", sys.executable))
   parser.add_argument("--torch-python", default=os.environ.get("JAXRES_BENCH_TORCH_PYTHON", sys.executable))
-  parser.add_argument("--no-quality", action="store_true", help="skip the quality runs")
-  parser.add_argument(
-    "--quality-peers",
-    default=",".join(QUALITY_PEERS),
-    help="comma-separated, of: " + ", ".join(QUALITY_PEERS),
-  )
-  parser.add_argument("--seeds", type=int, default=3, help="quality: streams, each peer on each")
   parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "embedding.md")
   args = parser.parse_args(argv)
   full = args.scale >= 1
@@ -290,19 +191,6 @@ def main(argv=None) -> None:
   pythons = {"jax": sys.executable, "tfra": args.tfra_python, "torch": args.torch_python}
   times = step_times(pythons, peers, capacities, args.steps, args.runs)
   text = report(times, capacities, args.steps, args.runs)
-  if not args.no_quality:
-    config = RunConfig() if full else RunConfig(batch_size=64, vocab_size=4000)
-    steps, budget = (1500, BUDGET) if full else (30, BUDGET >> 6)
-    quality_peers_ = [p.strip() for p in args.quality_peers.split(",") if p.strip()]
-    if sorted(set(quality_peers_) - set(QUALITY_PEERS)):
-      parser.error(f"--quality-peers: expected any of {sorted(QUALITY_PEERS)}, got {quality_peers_}")
-    losses = {
-      task: quality(
-        pythons, quality_peers_, dataclasses.replace(config, task=task), steps, args.seeds, budget
-      )
-      for task in ("click", "drift")
-    }
-    text += "\n".join(quality_report(losses, config, steps, args.seeds, budget))
   print(text)
   if full:
     args.out.write_text(text + "\n")

@@ -58,8 +58,9 @@ def report(capacity: int, features: int) -> str:
     lines.append(f"| `admission_capacity` ids | {key_name} | {held['admission'] / capacity:.1f} |")
   lines += [
     "",
-    "Bytes per row: `memory()`'s sum over the capacity. Index: the hash table's keys, slots, scores, change stamps and free rows; the "
-    "optimizer state includes a per-row step count where the optimizer keeps one.",
+    "Bytes per row: `memory()`'s sum over the capacity. Index: the hash table's keys, slots, scores, "
+    "change stamps and free rows; the optimizer state includes a per-row step count where the "
+    "optimizer keeps one.",
   ]
   return "\n".join(lines) + "\n"
 

@@ -1,87 +1,100 @@
 """One system's click model, trained on a stream of batches in a process of its own: its losses.
 
-``python -m benchmarks.quality_peers PEER --data BATCHES.npz --budget BYTES --seed S``
-prints one JSON line: ``{"losses": [...], "bytes": ..., "rows": ...}``, or
+``python -m benchmarks.quality_peers PEER --data BATCHES.npz --budget BYTES --seed S [--train-steps N]``
+prints one JSON line: ``{"losses": [...], "test": [...], "bytes": ..., "rows": ...}``, or
 ``{"error": ...}`` when the peer cannot run here.
 
-Every peer trains the same model on the same examples: ``FIELDS`` ``int64``
+Every peer trains the same model on the same examples: ``fields`` ``int64``
 ids per example (``ids[step]`` of ``BATCHES.npz``), an embedding of
 ``FEATURES`` floats per id, the concatenated rows through a hidden layer of
 ``HIDDEN`` (ReLU) to one logit, binary cross-entropy against ``labels[step]``,
-Adam (learning rate ``LEARNING_RATE``) on every parameter, embedding rows
-initialised from ``normal(0.05)``. Each peer gets ``BYTES`` of embedding
-state, optimizer state included, and takes as many rows as fit (its own
-accounting, in its builder's docstring). This module imports only NumPy and
-the peer's own framework (TF Recommenders-Addons pins its TensorFlow and
+Adam (learning rate ``LEARNING_RATE``) on every parameter. ``losses[t]`` is
+the loss of batch ``t`` before the step trains on it (progressive
+validation), for the first ``N`` batches; the later ones are the test: the
+model only predicts them (inference mode, nothing inserted or trained), and
+``test`` holds each test example's loss. Each peer gets ``BYTES`` of
+embedding state, optimizer state included, and takes as many rows as fit (its
+own accounting, in its builder's docstring). This module imports only NumPy
+and the peer's own framework (TF Recommenders-Addons pins its TensorFlow and
 runs from an environment of its own).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
 FEATURES = 16
 HIDDEN = 64
 LEARNING_RATE = 0.01
-INIT = 0.05
+INIT = 0.05  # the peers' rows start at normal(INIT); jaxres's at its own default unless told
 ADAM_BYTES = FEATURES * 4 * 3  # a hashed row and its Adam moments
 
 
-def jaxres(budget: int, seed: int, fields: int, lazy: bool = False):
-  """``jr.DynamicEmbedding`` (LRU, ``min_count=2``, ``jr.CatchUpAdam``) of :mod:`jaxres.examples`.
+class Peer(NamedTuple):
+  step: Callable  # (ids int64[B, F], labels float32[B]) -> the batch's loss before the step
+  evaluate: Callable  # (ids, labels) -> float32[B]: each example's loss, nothing changed
+  bytes: int
+  rows: int
 
-  Its bytes are those of every array of the embedding (the table with its
-  keys, rows, moments, scores and change stamps; the admission counts of
-  half as many ids; the step), measured on the module, so the capacity is
-  the largest that fits. (Counts of half as many ids as rows measured best:
-  a quarter loses ids' first occurrences, as many costs rows.)
+
+def jaxres(budget: int, seed: int, fields: int, *, row_optimizer: str = "catch_up", **options):
+  """``jr.DynamicEmbedding`` with its defaults but ``options`` (``eviction`` by name: ``"lru"``,
+  ``"lfu"`` or ``None``), trained with the plain NNX step.
+
+  ``row_optimizer``: ``"catch_up"`` (``jr.CatchUpAdam``, the one the guide
+  recommends first) or ``"lazy"`` (``optax.adam`` row by row). Its bytes are
+  ``memory()``'s (the table with its keys, rows, moments, scores and change
+  stamps; the admission counts; the step): the capacity is
+  ``jr.DynamicEmbedding.capacity_for(budget, ...)``, the largest that fits.
   """
-  import jax
+  import optax
   from flax import nnx
 
   import jaxres as jr
-  from jaxres.examples import ClickModel, train_step
-  from jaxres.examples.training import adam
 
-  optimizer = adam(LEARNING_RATE) if lazy else jr.CatchUpAdam(LEARNING_RATE)
+  rows_adam = jr.CatchUpAdam(LEARNING_RATE) if row_optimizer == "catch_up" else optax.adam(LEARNING_RATE)
+  if "eviction" in options:  # given by name: the policies are made here, where jaxres is imported
+    options["eviction"] = {"lru": jr.LRU(), "lfu": jr.LFU(), None: None}[options["eviction"]]
+  capacity = jr.DynamicEmbedding.capacity_for(budget, FEATURES, optimizer=rows_adam, **options)
 
-  def build(capacity):
-    return ClickModel(
-      capacity,
-      num_fields=fields,
-      optimizer=optimizer,
-      features=FEATURES,
-      hidden=HIDDEN,
-      admission_capacity=max(1, capacity // 2),
-      rngs=nnx.Rngs(seed),
-    )
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.emb = jr.DynamicEmbedding(capacity, FEATURES, optimizer=rows_adam, rngs=rngs, **options)
+      self.hidden = nnx.Linear(fields * FEATURES, HIDDEN, rngs=rngs)
+      self.output = nnx.Linear(HIDDEN, 1, rngs=rngs)
 
-  def size(capacity):
-    return sum(x.nbytes for x in jax.tree.leaves(nnx.state(build(capacity).embedding)))
+    def __call__(self, ids):
+      x = self.emb(ids)
+      return self.output(nnx.relu(self.hidden(x.reshape(x.shape[0], -1))))[:, 0]
 
-  per_row = size(1 << 12) / (1 << 12)
-  capacity = int(budget // per_row)
-  while size(capacity) > budget:
-    capacity -= 64
-  model = build(capacity)
-  dense = nnx.Optimizer(model, adam(LEARNING_RATE), wrt=nnx.Param)
+  def losses(model, ids, labels):
+    return optax.sigmoid_binary_cross_entropy(model(ids), labels)
+
+  @nnx.jit(donate_argnums=(0, 1))
+  def train(model, optimizer, ids, labels):
+    loss, grads = jr.value_and_grad(lambda m: losses(m, ids, labels).mean())(model)
+    optimizer.update(model, grads)
+    return loss
+
+  model = Model(nnx.Rngs(seed))
+  optimizer = nnx.Optimizer(model, optax.adam(LEARNING_RATE), wrt=nnx.Param)
+  predict = nnx.jit(losses)
 
   def step(ids, labels):
-    return train_step(model, dense, jr.keys.split64(ids), labels)
+    return train(model, optimizer, jr.keys.split64(ids), labels)
 
-  def finish(losses):
-    return [float(x) for x in jax.device_get(losses)]
+  def evaluate(ids, labels):
+    model.eval()  # inference mode: nothing inserted, counted or trained
+    return np.asarray(predict(model, jr.keys.split64(ids), labels))
 
-  return step, finish, size(capacity), capacity
-
-
-def jaxres_lazy(budget: int, seed: int, fields: int):
-  """As ``jaxres``, with lazy row-wise Adam (``optax.adam``) instead of ``jr.CatchUpAdam``."""
-  return jaxres(budget, seed, fields, lazy=True)
+  return Peer(step, evaluate, sum(model.emb.memory().values()), capacity)
 
 
 def dense(budget: int, seed: int, fields: int):
@@ -89,7 +102,6 @@ def dense(budget: int, seed: int, fields: int):
 
   Bytes: a row and its two moments per row (``budget // (FEATURES * 12)`` rows).
   """
-  import jax
   import jax.numpy as jnp
   import optax
   from flax import nnx
@@ -109,22 +121,26 @@ def dense(budget: int, seed: int, fields: int):
       x = self.emb((jr.keys.hash(ids, jnp.int64) % jnp.uint32(rows)).astype(jnp.int32))
       return self.output(nnx.relu(self.hidden(x.reshape(x.shape[0], -1))))[:, 0]
 
+  def losses(model, ids, labels):
+    return optax.sigmoid_binary_cross_entropy(model(ids), labels)
+
   @nnx.jit(donate_argnums=(0, 1))
   def train(model, optimizer, ids, labels):
-    def loss(m):
-      return optax.sigmoid_binary_cross_entropy(m(ids), labels).mean()
-
-    value, grads = nnx.value_and_grad(loss)(model)
+    value, grads = nnx.value_and_grad(lambda m: losses(m, ids, labels).mean())(model)
     optimizer.update(model, grads)
     return value
 
   model = Model()
   optimizer = nnx.Optimizer(model, optax.adam(LEARNING_RATE), wrt=nnx.Param)
+  predict = nnx.jit(losses)
 
   def step(ids, labels):
     return train(model, optimizer, jr.keys.split64(ids), labels)
 
-  return step, lambda losses: [float(x) for x in jax.device_get(losses)], rows * ADAM_BYTES, rows
+  def evaluate(ids, labels):
+    return np.asarray(predict(model, jr.keys.split64(ids), labels))
+
+  return Peer(step, evaluate, rows * ADAM_BYTES, rows)
 
 
 def _torch_head(fields: int):
@@ -135,21 +151,33 @@ def _torch_head(fields: int):
   )
 
 
-def _torch_step(lookup, parameters, head):
+def _torch_peer(lookup, modules, head, used: int, rows: int) -> Peer:
+  """``lookup(ids) -> rows`` and the head, trained by ``torch.optim.Adam`` on every parameter; the
+  test runs them in eval mode without gradients (a managed collision module then remaps nothing)."""
   import torch
 
-  optimizer = torch.optim.Adam([*parameters, *head.parameters()], lr=LEARNING_RATE)
-  loss_fn = torch.nn.BCEWithLogitsLoss()
+  parameters = [p for m in (*modules, head) for p in m.parameters()]
+  optimizer = torch.optim.Adam(parameters, lr=LEARNING_RATE)
+  loss_fn = torch.nn.BCEWithLogitsLoss(reduction="none")
+
+  def losses(ids, labels):
+    rows = lookup(ids)
+    return loss_fn(head(rows.reshape(rows.shape[0], -1))[:, 0], torch.from_numpy(labels))
 
   def step(ids, labels):
-    rows = lookup(ids)
-    loss = loss_fn(head(rows.reshape(rows.shape[0], -1))[:, 0], torch.from_numpy(labels))
+    loss = losses(ids, labels).mean()
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
     return loss.item()
 
-  return step
+  def evaluate(ids, labels):
+    for module in (*modules, head):
+      module.eval()
+    with torch.no_grad():
+      return losses(ids, labels).numpy()
+
+  return Peer(step, evaluate, used, rows)
 
 
 def _hashed(ids: np.ndarray, rows: int) -> np.ndarray:
@@ -169,10 +197,8 @@ def torch_hashed(budget: int, seed: int, fields: int):
   rows = budget // ADAM_BYTES
   emb = torch.nn.Embedding(rows, FEATURES)
   torch.nn.init.normal_(emb.weight, 0.0, INIT)
-  step = _torch_step(
-    lambda ids: emb(torch.from_numpy(_hashed(ids, rows))), emb.parameters(), _torch_head(fields)
-  )
-  return step, list, rows * ADAM_BYTES, rows
+  lookup = lambda ids: emb(torch.from_numpy(_hashed(ids, rows)))
+  return _torch_peer(lookup, [emb], _torch_head(fields), rows * ADAM_BYTES, rows)
 
 
 def torchrec_hashed(budget: int, seed: int, fields: int):
@@ -201,7 +227,7 @@ def torchrec_hashed(budget: int, seed: int, fields: int):
     out = collection(features)
     return torch.stack([out[name].values() for name in names], dim=1)
 
-  return _torch_step(lookup, collection.parameters(), _torch_head(fields)), list, rows * ADAM_BYTES, rows
+  return _torch_peer(lookup, [collection], _torch_head(fields), rows * ADAM_BYTES, rows)
 
 
 def torchrec_managed(budget: int, seed: int, fields: int):
@@ -255,14 +281,15 @@ def torchrec_managed(budget: int, seed: int, fields: int):
     out = out[0] if isinstance(out, tuple) else out
     return torch.stack([out[name].values() for name in names], dim=1)
 
-  return _torch_step(lookup, managed.parameters(), _torch_head(fields)), list, used, rows
+  return _torch_peer(lookup, [managed], _torch_head(fields), used, rows)
 
 
 def tfra_restrict(budget: int, seed: int, fields: int):
   """TF Recommenders-Addons ``dynamic_embedding`` with Adam and a ``TimestampRestrictPolicy``.
 
   The policy keeps the table at ``rows`` ids: after each step the oldest ids
-  beyond it go once it holds a step's ids more. Bytes: each id is a key (8)
+  beyond it go once it holds ``slack`` ids more (4096, or a quarter of what
+  the budget holds if less; a step brings at most 2048 new ids here). Bytes: each id is a key (8)
   and a row in the embedding's table and in each of Adam's two slot tables,
   and a timestamp (4, with its key) in the policy's: ``3 * (8 + 64) + 12``
   per id, at the ``rows + trigger`` ids the table can reach.
@@ -274,7 +301,7 @@ def tfra_restrict(budget: int, seed: int, fields: int):
 
   tf.random.set_seed(seed)
   per_id = 3 * (8 + FEATURES * 4) + 12
-  slack = 4096
+  slack = min(4096, budget // per_id // 4)  # at least a step's new ids on every task here
   rows = budget // per_id - slack
   emb = de.keras.layers.Embedding(
     FEATURES,
@@ -289,12 +316,14 @@ def tfra_restrict(budget: int, seed: int, fields: int):
   hidden, output = tf.keras.layers.Dense(HIDDEN, activation="relu"), tf.keras.layers.Dense(1)
   optimizer = de.DynamicEmbeddingOptimizer(tf.keras.optimizers.Adam(LEARNING_RATE))
 
+  def losses(ids, labels):
+    x = tf.reshape(emb(ids), [tf.shape(ids)[0], fields * FEATURES])
+    return tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=output(hidden(x))[:, 0])
+
   @tf.function
   def train(ids, labels):
     with tf.GradientTape() as tape:
-      x = tf.reshape(emb(ids), [tf.shape(ids)[0], fields * FEATURES])
-      logits = output(hidden(x))[:, 0]
-      loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits))
+      loss = tf.reduce_mean(losses(ids, labels))
     variables = emb.trainable_variables + hidden.trainable_variables + output.trainable_variables
     optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
     return loss
@@ -306,15 +335,21 @@ def tfra_restrict(budget: int, seed: int, fields: int):
       emb.params.restrict(rows, trigger=rows + slack)
     return loss
 
+  predict = tf.function(losses)  # a lookup inserts nothing: ids are placed by the optimizer's step
+
   def step(ids, labels):
     return float(restricted(tf.constant(ids), tf.constant(labels)))
 
-  return step, list, (rows + slack) * per_id, rows
+  def evaluate(ids, labels):
+    return predict(tf.constant(ids), tf.constant(labels)).numpy()
+
+  return Peer(step, evaluate, (rows + slack) * per_id, rows)
 
 
 PEERS = {
-  "jaxres": jaxres,
-  "jaxres-lazy": jaxres_lazy,
+  "jaxres": functools.partial(jaxres),
+  "jaxres-lazy": functools.partial(jaxres, row_optimizer="lazy"),
+  "jaxres-admission": functools.partial(jaxres, eviction="lru", min_count=2),
   "dense": dense,
   "torch-hashed": torch_hashed,
   "torchrec-hashed": torchrec_hashed,
@@ -323,11 +358,18 @@ PEERS = {
 }
 
 
-def train(peer: str, ids: np.ndarray, labels: np.ndarray, budget: int, seed: int) -> dict:
-  """The peer's loss at each step of the stream, its bytes and rows."""
-  step, finish, used, rows = PEERS[peer](budget, seed, ids.shape[-1])
-  losses = finish([step(ids[t], labels[t]) for t in range(ids.shape[0])])
-  return {"losses": losses, "bytes": int(used), "rows": int(rows)}
+def train(peer: str, ids: np.ndarray, labels: np.ndarray, budget: int, seed: int, train_steps: int) -> dict:
+  """The peer's progressive loss on the first ``train_steps`` batches, the test losses of each
+  example of the others, its bytes and rows."""
+  built = PEERS[peer](budget, seed, ids.shape[-1])
+  losses = [built.step(ids[t], labels[t]) for t in range(train_steps)]
+  test = [built.evaluate(ids[t], labels[t]) for t in range(train_steps, ids.shape[0])]
+  return {
+    "losses": [float(x) for x in np.asarray(losses, np.float32)],
+    "test": [float(x) for x in np.concatenate(test)] if test else [],
+    "bytes": int(built.bytes),
+    "rows": int(built.rows),
+  }
 
 
 def main() -> None:
@@ -336,10 +378,13 @@ def main() -> None:
   parser.add_argument("--data", required=True, help=".npz of ids int64[steps, batch, fields], labels")
   parser.add_argument("--budget", type=int, required=True, help="bytes of embedding state")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--train-steps", type=int, help="batches trained on (default: all); the rest test")
   args = parser.parse_args()
   data = np.load(args.data)
+  ids, labels = data["ids"], data["labels"].astype(np.float32)
+  steps = ids.shape[0] if args.train_steps is None else args.train_steps
   try:
-    result = train(args.peer, data["ids"], data["labels"].astype(np.float32), args.budget, args.seed)
+    result = train(args.peer, ids, labels, args.budget, args.seed, steps)
   except ImportError as err:
     result = {"error": f"not installed here ({err})"}
   print(json.dumps(result))
