@@ -349,6 +349,7 @@ def tfra_restrict(budget: int, seed: int, fields: int):
 PEERS = {
   "jaxres": functools.partial(jaxres),
   "jaxres-lazy": functools.partial(jaxres, row_optimizer="lazy"),
+  "jaxres-lfu": functools.partial(jaxres, eviction="lfu"),
   "jaxres-admission": functools.partial(jaxres, eviction="lru", min_count=2),
   "dense": dense,
   "torch-hashed": torch_hashed,
