@@ -1,7 +1,7 @@
 """``python -m benchmarks.quality``: model quality at equal memory, synthetic and real data.
 
 Every system of :mod:`benchmarks.quality_peers` (jaxres with its defaults,
-with lazy Adam rows, with LFU eviction and with admission; a dense hashed ``nnx.Embed``; PyTorch
+with lazy Adam rows, with LRU eviction and with admission; a dense hashed ``nnx.Embed``; PyTorch
 and TorchRec over hashed ids; TorchRec's managed collisions; TF
 Recommenders-Addons with its restrict policy) trains the same click model on
 the same batches with the same bytes of embedding state (optimizer state
@@ -45,10 +45,10 @@ from jaxres.examples import RunConfig
 ROOT = Path(__file__).resolve().parents[1]
 OURS = "jaxres"
 PEERS = {  # name -> (label, environment)
-  "jaxres": ("jr.DynamicEmbedding, defaults (jr.CatchUpAdam rows)", "jax"),
-  "jaxres-lazy": ("jr.DynamicEmbedding, defaults (lazy optax.adam rows)", "jax"),
-  "jaxres-lfu": ("jr.DynamicEmbedding (jr.CatchUpAdam, LFU)", "jax"),
-  "jaxres-admission": ("jr.DynamicEmbedding (jr.CatchUpAdam, LRU, min_count=2)", "jax"),
+  "jaxres": ("jr.DynamicEmbedding, defaults (LRFU; jr.CatchUpAdam rows)", "jax"),
+  "jaxres-lazy": ("jr.DynamicEmbedding, defaults (LRFU; lazy optax.adam rows)", "jax"),
+  "jaxres-lru": ("jr.DynamicEmbedding (LRU; jr.CatchUpAdam)", "jax"),
+  "jaxres-admission": ("jr.DynamicEmbedding (LRFU, min_count=2; jr.CatchUpAdam)", "jax"),
   "dense": ("nnx.Embed + optax.adam (hashed rows)", "jax"),
   "torch-hashed": ("PyTorch nn.Embedding + Adam (hashed rows)", "torch"),
   "torchrec-hashed": ("TorchRec EmbeddingCollection + Adam (hashed rows)", "torch"),

@@ -46,7 +46,7 @@ class Peer(NamedTuple):
 
 def jaxres(budget: int, seed: int, fields: int, *, row_optimizer: str = "catch_up", **options):
   """``jr.DynamicEmbedding`` with its defaults but ``options`` (``eviction`` by name: ``"lru"``,
-  ``"lfu"`` or ``None``), trained with the plain NNX step.
+  ``"lfu"``, ``"lrfu"``, ``"lrfu-<half life>"`` or ``None``), trained with the plain NNX step.
 
   ``row_optimizer``: ``"catch_up"`` (``jr.CatchUpAdam``, the one the guide
   recommends first) or ``"lazy"`` (``optax.adam`` row by row). Its bytes are
@@ -61,7 +61,9 @@ def jaxres(budget: int, seed: int, fields: int, *, row_optimizer: str = "catch_u
 
   rows_adam = jr.CatchUpAdam(LEARNING_RATE) if row_optimizer == "catch_up" else optax.adam(LEARNING_RATE)
   if "eviction" in options:  # given by name: the policies are made here, where jaxres is imported
-    options["eviction"] = {"lru": jr.LRU(), "lfu": jr.LFU(), None: None}[options["eviction"]]
+    name, _, half_life = (options["eviction"] or "none").partition("-")  # "lrfu-256": half_life=256
+    policies = {"lru": jr.LRU, "lfu": jr.LFU, "lrfu": jr.LRFU, "none": lambda: None}
+    options["eviction"] = policies[name](int(half_life)) if half_life else policies[name]()
   capacity = jr.DynamicEmbedding.capacity_for(budget, FEATURES, optimizer=rows_adam, **options)
 
   class Model(nnx.Module):
@@ -349,8 +351,8 @@ def tfra_restrict(budget: int, seed: int, fields: int):
 PEERS = {
   "jaxres": functools.partial(jaxres),
   "jaxres-lazy": functools.partial(jaxres, row_optimizer="lazy"),
-  "jaxres-lfu": functools.partial(jaxres, eviction="lfu"),
-  "jaxres-admission": functools.partial(jaxres, eviction="lru", min_count=2),
+  "jaxres-lru": functools.partial(jaxres, eviction="lru"),
+  "jaxres-admission": functools.partial(jaxres, min_count=2),
   "dense": dense,
   "torch-hashed": torch_hashed,
   "torchrec-hashed": torchrec_hashed,

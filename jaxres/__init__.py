@@ -10,6 +10,7 @@
 from jaxres import keys as keys
 from jaxres import saved_model as saved_model
 from jaxres._core.policies import LFU as LFU
+from jaxres._core.policies import LRFU as LRFU
 from jaxres._core.policies import LRU as LRU
 from jaxres._core.policies import CustomScore as CustomScore
 from jaxres._core.policies import Evicted as Evicted
@@ -46,6 +47,7 @@ from jaxres._tracking.status import LoadStatus as LoadStatus
 
 __all__ = [
   "LFU",
+  "LRFU",
   "LRU",
   "AutoTrackable",
   "CatchUpAdam",

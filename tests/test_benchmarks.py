@@ -107,7 +107,7 @@ def test_benchmark_harness_runs_on_tiny_sizes():
       [
         "### click task (synthetic, stationary): 0.20 MB",
         "### drift task (synthetic, ids come and go)",
-        "| jr.DynamicEmbedding, defaults (jr.CatchUpAdam rows) | ",
+        "| jr.DynamicEmbedding, defaults (LRFU; jr.CatchUpAdam rows) | ",
         "| nnx.Embed + optax.adam (hashed rows) | ",
         "- test: jaxres (defaults) ",
       ],

@@ -4,8 +4,9 @@ The oracle is updated from what each call reports in ``evicted``, and checks
 after every call: every key that was in the table or offered to it is in the
 table or in ``evicted``, values are exact, ``size <= capacity``, the evictions
 counter is exact, and every score is what the policy says (LRU: the clock of
-the last call naming the key; LFU: how often calls named it; CustomScore: the
-last score given).
+the last call naming the key; LFU: how often calls named it; LRFU: its score
+function, itself checked against the decayed weights it stands for;
+CustomScore: the last score given).
 """
 
 import collections
@@ -25,7 +26,7 @@ from jaxres._persistence import table_arrays
 BATCH = 4
 CAPACITY = 4  # one bucket of 8 slots: every new key's candidates are the whole table
 POOL = (np.arange(12, dtype=np.int64) * 7919 + 2**40) * np.array([1, -1] * 6)  # 64-bit keys, exact
-POLICIES = {"LRU": jr.LRU(), "LFU": jr.LFU(), "CustomScore": jr.CustomScore()}
+POLICIES = {"LRU": jr.LRU(), "LFU": jr.LFU(), "LRFU": jr.LRFU(16), "CustomScore": jr.CustomScore()}
 
 
 def _create(policy, capacity=CAPACITY, sharded=False, window=None):
@@ -80,6 +81,9 @@ class Oracle:
         out[key] = self.clock
       elif isinstance(self.policy, jr.LFU):
         out[key] = min(self.scores.get(key, 0) + count, 2**32 - 1)
+      elif isinstance(self.policy, jr.LRFU):  # its formula: test_lrfu_scores_are_log_decayed_weights
+        old, n, clock = np.uint32([self.scores.get(key, 0)]), np.int32([count]), np.uint32(self.clock)
+        out[key] = int(self.policy.score(old, n, clock)[0])
       else:
         out[key] = last[key]
     return out
@@ -330,6 +334,47 @@ def test_lfu_keeps_the_most_frequent_keys():
   counts = collections.Counter(stream.reshape(-1).tolist())
   top = np.array([k for k, _ in counts.most_common(100)], np.int64)
   assert float(np.mean(np.asarray(table.contains(top)))) >= 0.95
+
+
+def test_lrfu_scores_are_log_decayed_weights():
+  """Against the weights LRFU stands for, in float64: sum over namings of count * 2**(t_i / h)."""
+  half_life, rng = 64, np.random.default_rng(3)
+  policy = jr.LRFU(half_life)
+  scores, weights = np.zeros(6, np.uint32), np.zeros(6)
+  for clock in range(1, 3000, int(rng.integers(1, 90))):
+    count = rng.integers(0, 5, 6)
+    named = count > 0
+    new = np.asarray(policy.score(scores, np.maximum(count, 1).astype(np.int32), np.uint32(clock)))
+    scores = np.where(named, new, scores)
+    weights += count * 2.0 ** (clock / half_life)
+  # The score is 16 x log2 of the weight, plus one unit per naming's weight (each rounded to a unit).
+  np.testing.assert_allclose(scores / 16, np.log2(weights) + 1 / 16, atol=0.25)
+  order = np.argsort(weights)
+  assert np.all(np.diff(scores[order].astype(np.int64)) >= 0)
+
+
+def test_lrfu_spans_recency_and_frequency():
+  """A key named often long ago: a short half-life forgets it (as LRU), a long one keeps it (as LFU)."""
+  kept = {}
+  for half_life in (16, 1 << 16):
+    table = jr.OpenAddressingTable.create(
+      2, key=jnp.int32, value=jnp.int32, eviction=jr.LRFU(half_life), bucket_size=8
+    )
+    table = table.insert(np.full(8, 1, np.int32), np.zeros(8, np.int32))  # 1: named 8 times
+    for _ in range(200):  # 2: named once a call for 200 calls
+      table = table.insert(np.array([2], np.int32), np.zeros(1, np.int32))
+    table, _ = table.insert_and_evict(np.array([3], np.int32), np.zeros(1, np.int32))
+    kept[half_life] = np.asarray(table.contains(np.array([1, 2, 3], np.int32))).tolist()
+  assert kept[16] == [False, True, True]  # 1's weight decayed over 12 half-lives: 3 takes its row
+  assert kept[1 << 16] == [True, True, False]  # undecayed, 8 namings and 200 outweigh a newcomer
+
+
+@pytest.mark.parametrize(
+  ("half_life", "error"), [(8, ValueError), (2**31, ValueError), (64.0, TypeError), (True, TypeError)]
+)
+def test_lrfu_bad_half_life_is_named(half_life, error):
+  with pytest.raises(error, match="half_life"):
+    jr.LRFU(half_life)
 
 
 def _random_calls(table, seed, steps=12):

@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxres._core import memory
-from jaxres._core.policies import LRU
+from jaxres._core.policies import LRFU
 from jaxres._errors import check_int
 from jaxres._nn import pooling
 from jaxres._nn.embedding import DynamicEmbedding
@@ -38,7 +38,8 @@ class TableConfig:
     optimizer: the rows' optimizer: an elementwise optax transformation
       (``optax.adam(1e-3)``, applied row by row) or :class:`jaxres.CatchUpAdam`.
     key: the id dtype (``jnp.int64`` by default).
-    eviction: ``jr.LRU()`` (the default), ``jr.LFU()`` or ``None`` (a full table refuses new ids).
+    eviction: ``jr.LRFU()`` (the default), ``jr.LRU()``, ``jr.LFU()`` or ``None`` (a full table
+      refuses new ids).
     min_count: occurrences an id needs to get a row.
     admission_capacity: ids the admission count holds (default ``capacity``).
     initializer: ``initializer(key, shape, dtype)`` of new rows (``None``:
@@ -55,7 +56,7 @@ class TableConfig:
   features: int
   optimizer: Any = dataclasses.field(kw_only=True)
   key: Any = dataclasses.field(default=jnp.int64, kw_only=True)
-  eviction: Any = dataclasses.field(default=LRU(), kw_only=True)
+  eviction: Any = dataclasses.field(default=LRFU(), kw_only=True)
   min_count: int = dataclasses.field(default=1, kw_only=True)
   admission_capacity: int | None = dataclasses.field(default=None, kw_only=True)
   initializer: Callable | None = dataclasses.field(default=None, kw_only=True)

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxres._core import memory
-from jaxres._core.policies import LRU, check_policy
+from jaxres._core.policies import LRFU, check_policy
 from jaxres._core.sharding.sharded_table import ShardedTable
 from jaxres._core.storages.open_addressing import OpenAddressingTable
 from jaxres._core.table import check_capacity
@@ -22,7 +22,7 @@ from jaxres._nn.embedding_steps import Spec, replicated
 from jaxres._nn.row_gradients import Lookup
 
 _INITIALIZER = nnx.initializers.normal(0.01)
-_EVICTION = LRU()  # the default: see the embeddings guide, 'Defaults'
+_EVICTION = LRFU()  # the default: see the embeddings guide, 'Defaults'
 
 
 class EmbeddingState(nnx.Variable):
@@ -85,10 +85,11 @@ class DynamicEmbedding(nnx.Module):
   - **New ids.** An id's first row is ``initializer(key, (features,))`` with a
     key derived from the seed and the id alone: the same row whatever the
     arrival order or the shard.
-  - **Full table.** With ``eviction=jr.LRU()`` (the default) or ``jr.LFU()``
-    a new id replaces the lowest-scored row near its position, row and
-    optimizer state together (see ``jr.OpenAddressingTable``); with
-    ``eviction=None`` new ids are refused once the table is full.
+  - **Full table.** With ``eviction=jr.LRFU()`` (the default: recency and
+    frequency), ``jr.LRU()`` or ``jr.LFU()`` a new id replaces the
+    lowest-scored row near its position, row and optimizer state together
+    (see ``jr.OpenAddressingTable``); with ``eviction=None`` new ids are
+    refused once the table is full.
   - **Admission.** With ``min_count > 1``, an id gets a row at its
     ``min_count``-th occurrence, counted in a bounded table of
     ``admission_capacity`` ids (:mod:`jaxres._nn.admission`: it never
@@ -120,9 +121,9 @@ class DynamicEmbedding(nnx.Module):
     optimizer: an elementwise ``optax.GradientTransformation`` (``sgd``,
       ``adam``, ``adagrad``, ``rmsprop``, ``lion``, chains of them), applied to
       each row with its own state, or :class:`jaxres.CatchUpAdam`.
-    eviction: ``jr.LRU()`` (the default: the one policy that held up on every
-      quality task, ids that drift included; see the embeddings guide),
-      ``jr.LFU()`` or ``None`` (a full table refuses new ids).
+    eviction: ``jr.LRFU()`` (the default: the lowest loss of the policies on
+      the quality tasks, stationary and drifting; see the embeddings guide),
+      ``jr.LRU()``, ``jr.LFU()`` or ``None`` (a full table refuses new ids).
     min_count: occurrences an id needs to get a row (1: at once).
     initializer: ``initializer(key, shape, dtype)``, as ``nnx.initializers``
       (default: ``normal(0.01)``).
