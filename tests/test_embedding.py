@@ -261,6 +261,20 @@ def test_checkpoint_restores_into_another_capacity(tmp_path):
   assert small.size() == 0
 
 
+@pytest.mark.parametrize("eviction", [None, jr.LRU()], ids=["no_eviction", "lru"])
+def test_checkpoints_of_other_policies_restore_into_the_default_one(tmp_path, eviction):
+  """Written before LRFU was the default (no eviction, or LRU), read by a module built with defaults."""
+  emb = _run(_embedding(16, eviction=eviction), _batches(seed=3, steps=3))
+  jr.Checkpoint(emb=emb).save(tmp_path / "ckpt")
+  default = jr.DynamicEmbedding(16, emb.features, optimizer=optax.adam(0.1), rngs=nnx.Rngs(0))
+  assert isinstance(default.eviction, jr.LRFU)
+  jr.Checkpoint(emb=default).restore(tmp_path / "ckpt").assert_consumed()
+  for got, want in zip(default.export(), emb.export()):
+    assert got.tobytes() == want.tobytes()
+  default(np.arange(1000, 1064))  # full: the new ids evict the restored rows of lower weight
+  assert default.size() == 16 and default.stats()["evictions"] > 0
+
+
 def test_rows_of_a_lookup_are_reused_only_for_the_same_ids_on_the_same_table(tmp_path):
   """apply_gradients after the lookup of other ids, or after the table changed, finds the ids again."""
   batches = _batches(seed=8, steps=4, size=10)

@@ -340,17 +340,20 @@ def test_lrfu_scores_are_log_decayed_weights():
   """Against the weights LRFU stands for, in float64: sum over namings of count * 2**(t_i / h)."""
   half_life, rng = 64, np.random.default_rng(3)
   policy = jr.LRFU(half_life)
-  scores, weights = np.zeros(6, np.uint32), np.zeros(6)
+  scores, weights, namings = np.zeros(6, np.uint32), np.zeros(6), np.zeros(6)
   for clock in range(1, 3000, int(rng.integers(1, 90))):
     count = rng.integers(0, 5, 6)
     named = count > 0
     new = np.asarray(policy.score(scores, np.maximum(count, 1).astype(np.int32), np.uint32(clock)))
     scores = np.where(named, new, scores)
     weights += count * 2.0 ** (clock / half_life)
-  # The score is 16 x log2 of the weight, plus one unit per naming's weight (each rounded to a unit).
-  np.testing.assert_allclose(scores / 16, np.log2(weights) + 1 / 16, atol=0.25)
+    namings += named
+  # The score is the weight as a time, half_life * log2(weight), each naming rounded to a call.
+  assert np.all(np.abs(scores - half_life * np.log2(weights)) <= namings)
   order = np.argsort(weights)
   assert np.all(np.diff(scores[order].astype(np.int64)) >= 0)
+  once = policy.score(np.zeros(3, np.uint32), np.ones(3, np.int32), np.uint32(77))
+  assert np.asarray(once).tolist() == [77] * 3  # named once: the clock, as LRU
 
 
 def test_lrfu_spans_recency_and_frequency():
@@ -370,7 +373,7 @@ def test_lrfu_spans_recency_and_frequency():
 
 
 @pytest.mark.parametrize(
-  ("half_life", "error"), [(8, ValueError), (2**31, ValueError), (64.0, TypeError), (True, TypeError)]
+  ("half_life", "error"), [(0, ValueError), (2**25, ValueError), (64.0, TypeError), (True, TypeError)]
 )
 def test_lrfu_bad_half_life_is_named(half_life, error):
   with pytest.raises(error, match="half_life"):

@@ -97,23 +97,27 @@ class LRFU(Policy):
   every ``half_life`` calls (Lee et al.'s LRFU).
 
   An entry's weight at clock ``t`` is the sum over the calls that named it, at
-  clocks ``t_i``, of ``2 ** ((t_i - t) / half_life)`` per occurrence. Entries
-  are compared by their weights at the same clock, so the score stores
-  ``log2`` of the undecayed sum, ``log2(sum 2 ** (t_i / half_life))`` in
-  sixteenths (it only grows: no entry needs rescoring as time passes). A new
-  key (weight 1) replaces an entry whose weight has decayed below 1: a key
-  named often stays through a pause many half-lives long, one named once
-  leaves after it. ``half_life`` spans the two other policies: small, it
-  ranks by recency (``LRU``); large, by frequency (``LFU``).
+  clocks ``t_i``, of ``2 ** ((t_i - t) / half_life)`` per occurrence; entries
+  are compared by their weights at the same clock. The score is that weight as
+  a time: ``half_life * log2(sum 2 ** (t_i / half_life))``, in calls (rounded
+  at each naming). It only grows, so no entry needs rescoring as time passes,
+  and a key named once scores the clock of that call, as with ``LRU``; each
+  further naming moves it later, by up to ``half_life`` calls (two namings at
+  once: exactly ``half_life``). A new key replaces an entry whose weight has
+  decayed below its own: ``half_life`` spans the other two policies, ranking
+  by recency when small (``LRU``) and by frequency when large (``LFU``).
 
   Args:
-    half_life: calls over which a naming's weight halves (at least 16; 256 by
-      default, the best of 64 to 4096 on the embeddings' quality tasks).
+    half_life: calls over which a naming's weight halves (1 to ``2**24``; 256
+      by default, the best of 64 to 4096 on the embeddings' synthetic quality
+      tasks).
 
   Examples:
     >>> import jax.numpy as jnp, jaxres as jr
     >>> t = jr.OpenAddressingTable.create(2, key=jnp.int32, value=jnp.float32, eviction=jr.LRFU(16))
     >>> t = t.insert(jnp.array([1, 1, 1, 2]), jnp.ones(4))    # 1 named three times, 2 once
+    >>> t.scores(jnp.array([1, 2])).tolist()                 # clock 1, and 1 + 16 * log2(3)
+    [26, 1]
     >>> t = t.insert_and_evict(jnp.array([3]), jnp.ones(1))[0]  # one call later: 3 evicts 2
     >>> t.contains(jnp.array([1, 2, 3])).tolist()
     [True, False, True]
@@ -122,26 +126,24 @@ class LRFU(Policy):
   half_life: int = 256
 
   counts = True
-  _UNITS = 16  # score units per doubling
 
   def __post_init__(self):
     if isinstance(self.half_life, bool) or not isinstance(self.half_life, (int, np.integer)):
       raise TypeError(f"half_life: expected an int, got {self.half_life!r}.")
-    if not 16 <= self.half_life <= 2**30:
-      raise ValueError(f"half_life: expected 16 to 2**30 calls, got {self.half_life}.")
+    if not 1 <= self.half_life <= 2**24:
+      raise ValueError(f"half_life: expected 1 to 2**24 calls, got {self.half_life}.")
 
   def score(self, old, count, clock):
-    half_life, units = jnp.uint32(self.half_life), jnp.uint32(self._UNITS)
-    # log2 of a naming's undecayed weight, in sixteenths: clock / half_life doublings (<= clock).
-    # One more unit for every naming, so that a named key scores 1 or more.
-    now = clock // half_life * units + clock % half_life * units // half_life
-    named = now + 1 + jnp.round(jnp.log2(count.astype(jnp.float32)) * self._UNITS).astype(jnp.uint32)
+    half_life = np.float32(self.half_life)
+    # A naming of `count` occurrences at `clock`, as a time: clock + half_life * log2(count).
+    boost = jnp.round(half_life * jnp.log2(count.astype(jnp.float32))).astype(jnp.uint32)
+    named = jnp.where(clock > _MAX_SCORE - boost, _MAX_SCORE, clock + boost)
     high, low = jnp.maximum(old, named), jnp.minimum(old, named)
-    # log2(2**high + 2**low) = high + log2(1 + 2**(low - high)): at most one doubling more.
-    gap = (high - low).astype(jnp.float32) / self._UNITS
-    extra = jnp.round(jnp.log2(1.0 + jnp.exp2(-gap)) * self._UNITS).astype(jnp.uint32)
+    # log-add of two weights: half_life * log2(2**(high / h) + 2**(low / h)), at most half_life more.
+    gap = (high - low).astype(jnp.float32) / half_life
+    extra = jnp.round(half_life * jnp.log2(1.0 + jnp.exp2(-gap))).astype(jnp.uint32)
     added = jnp.where(high > _MAX_SCORE - extra, _MAX_SCORE, high + extra)
-    return jnp.where(old == 0, named, added)  # 0: a new key (a named one scores 1 or more)
+    return jnp.where(old == 0, named, added)  # 0: a new key (a named one scores its clock, 1 or more)
 
   def __repr__(self) -> str:
     return f"jr.LRFU(half_life={self.half_life})"
