@@ -44,9 +44,51 @@ class Peer(NamedTuple):
   rows: int
 
 
+def _nnx_peer(embedding, seed: int, fields: int, value_and_grad, used: int, rows: int) -> Peer:
+  """The click model over ``embedding(rngs)`` (ids -> rows) in NNX, trained by ``value_and_grad(loss)``
+  and Adam (``nnx.jit``, model donated); the test calls ``model.eval()`` first (inference mode)."""
+  import optax
+  from flax import nnx
+
+  import jaxres as jr
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.emb = embedding(rngs)
+      self.hidden = nnx.Linear(fields * FEATURES, HIDDEN, rngs=rngs)
+      self.output = nnx.Linear(HIDDEN, 1, rngs=rngs)
+
+    def __call__(self, ids):
+      x = self.emb(ids)
+      return self.output(nnx.relu(self.hidden(x.reshape(x.shape[0], -1))))[:, 0]
+
+  def losses(model, ids, labels):
+    return optax.sigmoid_binary_cross_entropy(model(ids), labels)
+
+  @nnx.jit(donate_argnums=(0, 1))
+  def train(model, optimizer, ids, labels):
+    loss, grads = value_and_grad(lambda m: losses(m, ids, labels).mean())(model)
+    optimizer.update(model, grads)
+    return loss
+
+  model = Model(nnx.Rngs(seed))
+  optimizer = nnx.Optimizer(model, optax.adam(LEARNING_RATE), wrt=nnx.Param)
+  predict = nnx.jit(losses)
+
+  def step(ids, labels):
+    return train(model, optimizer, jr.keys.split64(ids), labels)
+
+  def evaluate(ids, labels):
+    model.eval()  # a jaxres embedding then only reads: nothing inserted, counted or trained
+    return np.asarray(predict(model, jr.keys.split64(ids), labels))
+
+  return Peer(step, evaluate, used, rows)
+
+
 def jaxres(budget: int, seed: int, fields: int, *, row_optimizer: str = "catch_up", **options):
   """``jr.DynamicEmbedding`` with its defaults but ``options`` (``eviction`` by name: ``"lru"``,
-  ``"lfu"``, ``"lrfu"``, ``"lrfu-<half life>"`` or ``None``), trained with the plain NNX step.
+  ``"lfu"``, ``"lrfu"``, ``"lrfu-<half life>"`` or ``None``), trained with the plain NNX step
+  (``jr.value_and_grad``).
 
   ``row_optimizer``: ``"catch_up"`` (``jr.CatchUpAdam``, the one the guide
   recommends first) or ``"lazy"`` (``optax.adam`` row by row). Its bytes are
@@ -65,84 +107,32 @@ def jaxres(budget: int, seed: int, fields: int, *, row_optimizer: str = "catch_u
     policies = {"lru": jr.LRU, "lfu": jr.LFU, "lrfu": jr.LRFU, "none": lambda: None}
     options["eviction"] = policies[name](int(half_life)) if half_life else policies[name]()
   capacity = jr.DynamicEmbedding.capacity_for(budget, FEATURES, optimizer=rows_adam, **options)
-
-  class Model(nnx.Module):
-    def __init__(self, rngs):
-      self.emb = jr.DynamicEmbedding(capacity, FEATURES, optimizer=rows_adam, rngs=rngs, **options)
-      self.hidden = nnx.Linear(fields * FEATURES, HIDDEN, rngs=rngs)
-      self.output = nnx.Linear(HIDDEN, 1, rngs=rngs)
-
-    def __call__(self, ids):
-      x = self.emb(ids)
-      return self.output(nnx.relu(self.hidden(x.reshape(x.shape[0], -1))))[:, 0]
-
-  def losses(model, ids, labels):
-    return optax.sigmoid_binary_cross_entropy(model(ids), labels)
-
-  @nnx.jit(donate_argnums=(0, 1))
-  def train(model, optimizer, ids, labels):
-    loss, grads = jr.value_and_grad(lambda m: losses(m, ids, labels).mean())(model)
-    optimizer.update(model, grads)
-    return loss
-
-  model = Model(nnx.Rngs(seed))
-  optimizer = nnx.Optimizer(model, optax.adam(LEARNING_RATE), wrt=nnx.Param)
-  predict = nnx.jit(losses)
-
-  def step(ids, labels):
-    return train(model, optimizer, jr.keys.split64(ids), labels)
-
-  def evaluate(ids, labels):
-    model.eval()  # inference mode: nothing inserted, counted or trained
-    return np.asarray(predict(model, jr.keys.split64(ids), labels))
-
-  return Peer(step, evaluate, sum(model.emb.memory().values()), capacity)
+  embedding = lambda rngs: jr.DynamicEmbedding(capacity, FEATURES, optimizer=rows_adam, rngs=rngs, **options)
+  used = sum(jr.DynamicEmbedding.memory(nnx.eval_shape(lambda: embedding(nnx.Rngs(0)))).values())
+  return _nnx_peer(embedding, seed, fields, jr.value_and_grad, used, capacity)
 
 
 def dense(budget: int, seed: int, fields: int):
-  """What a JAX user writes today: an ``nnx.Embed`` over ids hashed to rows, ``optax.adam``.
+  """What a JAX user writes today: an ``nnx.Embed`` over ids hashed to rows, ``optax.adam``
+  (``nnx.value_and_grad``).
 
   Bytes: a row and its two moments per row (``budget // (FEATURES * 12)`` rows).
   """
   import jax.numpy as jnp
-  import optax
   from flax import nnx
 
   import jaxres as jr
 
   rows = budget // ADAM_BYTES
 
-  class Model(nnx.Module):
-    def __init__(self):
-      rngs = nnx.Rngs(seed)
-      self.emb = nnx.Embed(rows, FEATURES, embedding_init=nnx.initializers.normal(INIT), rngs=rngs)
-      self.hidden = nnx.Linear(fields * FEATURES, HIDDEN, rngs=rngs)
-      self.output = nnx.Linear(HIDDEN, 1, rngs=rngs)
+  class Hashed(nnx.Module):
+    def __init__(self, rngs):
+      self.table = nnx.Embed(rows, FEATURES, embedding_init=nnx.initializers.normal(INIT), rngs=rngs)
 
     def __call__(self, ids):
-      x = self.emb((jr.keys.hash(ids, jnp.int64) % jnp.uint32(rows)).astype(jnp.int32))
-      return self.output(nnx.relu(self.hidden(x.reshape(x.shape[0], -1))))[:, 0]
+      return self.table((jr.keys.hash(ids, jnp.int64) % jnp.uint32(rows)).astype(jnp.int32))
 
-  def losses(model, ids, labels):
-    return optax.sigmoid_binary_cross_entropy(model(ids), labels)
-
-  @nnx.jit(donate_argnums=(0, 1))
-  def train(model, optimizer, ids, labels):
-    value, grads = nnx.value_and_grad(lambda m: losses(m, ids, labels).mean())(model)
-    optimizer.update(model, grads)
-    return value
-
-  model = Model()
-  optimizer = nnx.Optimizer(model, optax.adam(LEARNING_RATE), wrt=nnx.Param)
-  predict = nnx.jit(losses)
-
-  def step(ids, labels):
-    return train(model, optimizer, jr.keys.split64(ids), labels)
-
-  def evaluate(ids, labels):
-    return np.asarray(predict(model, jr.keys.split64(ids), labels))
-
-  return Peer(step, evaluate, rows * ADAM_BYTES, rows)
+  return _nnx_peer(Hashed, seed, fields, nnx.value_and_grad, rows * ADAM_BYTES, rows)
 
 
 def _torch_head(fields: int):
