@@ -220,22 +220,27 @@ def load(path) -> LoadedModel:
   if not isinstance(path, (str, os.PathLike)):
     raise TypeError(f"path: expected a directory path, got {type(path).__name__}.")
   path = Path(path)
-  manifest, blobs, state = directory.read(path)
+  manifest, blobs, stored = directory.read(path)
   platform = jax.default_backend()
   platforms = tuple(manifest.get("platforms", ()))
   if platform not in platforms and not (platform == "gpu" and {"cuda", "rocm"} & set(platforms)):
     raise ValueError(f"{path}: lowered for {platforms}, not for this process's platform {platform!r}.")
-  signatures = {}
+  signatures, takes = {}, {}  # takes: what the programs take of each state array
   try:
     for entry, blob in zip(manifest["signatures"], blobs, strict=True):
       inputs = tuple(Input.from_json(i) for i in entry["inputs"])
       exported = jax.export.deserialize(bytearray(blob))
+      places = entry["state"]
+      for k, aval in zip(places, exported.in_avals[: len(places)], strict=True):
+        if takes.setdefault(k, aval) != aval:
+          raise ValueError(f"programs take state {k} in two shapes")
       signatures[entry["name"]] = LoadedSignature(
-        entry["name"], inputs, entry["outputs"], entry["max_length"], exported, entry["state"]
+        entry["name"], inputs, entry["outputs"], entry["max_length"], exported, places
       )
-    return LoadedModel(path, signatures, platforms, state, manifest.get("updates"))
   except (KeyError, TypeError, ValueError, IndexError) as err:
     raise ValueError(f"{path}: corrupted saved model ({err}).") from None
+  state = directory.padded(path, manifest, stored, takes)
+  return LoadedModel(path, signatures, platforms, state, manifest.get("updates"))
 
 
 def _check_signatures(signatures) -> dict[str, Signature]:

@@ -26,9 +26,12 @@ import shutil
 import tempfile
 import zlib
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
+
+from jaxres._persistence import files
 
 FORMAT = "jaxres.saved_model"
 VERSION = 2  # 2: state arrays may hold only their rows in use ("rows"); written only where they do
@@ -59,7 +62,9 @@ def write(
       described.append(entry | ({"rows": total} if total else {}))
     fill(staged)
     version = VERSION if rows else 1  # what a jaxres without padded rows still reads
-    text = json.dumps({"format": FORMAT, "version": version, **manifest, "state": described}, indent=1)
+    checksums = [zlib.crc32(blob) for blob in programs]
+    contents = {"format": FORMAT, "version": version, **manifest, "state": described, "programs": checksums}
+    text = json.dumps(files.sealed(contents), indent=1)
     (staged / MANIFEST).write_text(text)
     replace(staged, path)
   except BaseException:
@@ -82,39 +87,48 @@ def write_files(path: Path, name: str, manifest: dict, arrays: dict[str, np.ndar
     for key, array in arrays.items():
       (staged / key).parent.mkdir(parents=True, exist_ok=True)
       described[key] = _save(staged / f"{key}.npy", np.asarray(array))
-    (staged / name).write_text(json.dumps(manifest | {"arrays": described}, indent=1))
+    (staged / name).write_text(json.dumps(files.sealed(manifest | {"arrays": described}), indent=1))
     replace(staged, path)
   except BaseException:
     shutil.rmtree(staged, ignore_errors=True)
     raise
 
 
-def read_files(path: Path, name: str, format: str, what: str) -> tuple[dict, dict[str, np.ndarray]]:
-  """``(manifest, arrays)`` of a directory :func:`write_files` wrote with ``{"format": format}``
-  (``what``: what such a directory is, for errors).
+def read_files(
+  path: Path, name: str, format: str, what: str, versions: tuple[int, ...]
+) -> tuple[dict, dict[str, np.ndarray]]:
+  """``(manifest, arrays)`` of a directory :func:`write_files` wrote with ``{"format": format}`` and
+  a version among ``versions`` (``what``: what such a directory is, for errors). The arrays' names
+  are confined to ``path`` and their files read as :func:`files.load_npy` does.
 
   Raises:
-    ValueError: naming ``path``: no such manifest, another format, or a damaged file.
+    ValueError: naming ``path``: no such manifest, another format or version, or a damaged file.
   """
-  manifest = _manifest(path, name, format, what)
-  try:
-    arrays = {key: _array(path / f"{key}.npy", entry) for key, entry in manifest["arrays"].items()}
-  except (OSError, KeyError, TypeError, ValueError, AttributeError) as err:
-    raise ValueError(f"{path}: corrupted ({err}).") from None
+  manifest = _manifest(path, name, format, what, versions)
+  described = manifest.get("arrays")
+  if not isinstance(described, dict):
+    raise ValueError(f"{path / name}: corrupted (no arrays described).")
+  arrays = {
+    key: _array(files.confined(path, f"{key}.npy", "array"), entry) for key, entry in described.items()
+  }
   return manifest, arrays
 
 
-def _manifest(path: Path, name: str, format: str, what: str) -> dict:
+def _manifest(path: Path, name: str, format: str, what: str, versions: tuple[int, ...]) -> dict:
+  """The manifest ``name`` in ``path``: of ``format``, of one of ``versions``, and the one written
+  (its checksum checked last, so that a newer version is said as such)."""
   file = path / name
-  if not file.is_file():
+  if not file.exists():
     raise ValueError(f"{path}: not a {what} (no {name}).")
-  try:
-    manifest = json.loads(file.read_text())
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-    raise ValueError(f"{path}: corrupted {name} ({err}).") from None
+  manifest = files.read_json(file, "manifest")
   if not isinstance(manifest, dict) or manifest.get("format") != format:
     raise ValueError(f"{path}: {name} does not describe a {what}.")
-  return manifest
+  if manifest.get("version") not in versions:
+    raise ValueError(
+      f"{path}: {what} format version {manifest.get('version')!r}; this jaxres reads versions "
+      f"{', '.join(map(str, versions))}."
+    )
+  return files.unsealed(manifest, file)
 
 
 def check_target(path, what: str = "saved model", holds=None) -> Path:
@@ -141,7 +155,7 @@ def read_manifest(path: Path) -> dict:
   Raises:
     ValueError: naming ``path``: no jaxres saved model there.
   """
-  return _manifest(path, MANIFEST, FORMAT, "jaxres saved model")
+  return _manifest(path, MANIFEST, FORMAT, "jaxres saved model", READS)
 
 
 def _is_saved_model(path: Path) -> bool:
@@ -160,48 +174,66 @@ def replace(staged: Path, path: Path) -> None:
 
 
 def read(path: Path) -> tuple[dict, list[bytes], list[np.ndarray]]:
-  """``(manifest, programs, state)`` of the directory at ``path``.
+  """``(manifest, programs, state)`` of the directory at ``path``; an array of ``state`` that holds
+  only its rows in use is padded by :func:`padded`, once its shape is checked against its programs.
 
   Raises:
     ValueError: naming ``path``: not a jaxres export, a newer format version,
       or a damaged file (missing, unreadable, or not the bytes it was saved as).
   """
   manifest = read_manifest(path)
-  if manifest.get("version") not in READS:
-    raise ValueError(
-      f"{path}: saved model format version {manifest.get('version')!r}; this jaxres reads versions "
-      f"{', '.join(map(str, READS))}."
-    )
-  try:
-    programs = [
-      (path / "programs" / f"{i}.jaxexport").read_bytes() for i in range(len(manifest["signatures"]))
-    ]
-    state = [
-      _padded(_array(path / "state" / f"{i}.npy", entry), entry) for i, entry in enumerate(manifest["state"])
-    ]
-  except (OSError, KeyError, TypeError, ValueError) as err:
-    raise ValueError(f"{path}: corrupted saved model ({err}).") from None
+  signatures, described = manifest.get("signatures"), manifest.get("state")
+  if not isinstance(signatures, list) or not isinstance(described, list):
+    raise ValueError(f"{path / MANIFEST}: corrupted (no signatures or state described).")
+  programs = [files.read_bytes(path / "programs" / f"{i}.jaxexport") for i in range(len(signatures))]
+  checksums = manifest.get("programs")  # written since programs carry checksums
+  if checksums is not None and checksums != [zlib.crc32(blob) for blob in programs]:
+    raise ValueError(f"{path}: corrupted saved model (a program is not the one saved: CRC-32 differs).")
+  state = [_array(path / "state" / f"{i}.npy", entry) for i, entry in enumerate(described)]
   return manifest, programs, state
 
 
-def _padded(array: np.ndarray, entry: dict) -> np.ndarray:
-  """``array`` with the free rows the manifest ``entry`` says its programs take (zeros)."""
-  total = entry.get("rows")
-  if total is None:
-    return array
-  if not isinstance(total, int) or total < len(array):
-    raise ValueError(f"rows {total!r} of an array of {len(array)} rows")
-  return np.concatenate([array, np.zeros((total - len(array), *array.shape[1:]), array.dtype)])
+def padded(
+  path: Path, manifest: dict, state: list[np.ndarray], takes: dict[int, jax.ShapeDtypeStruct]
+) -> list:
+  """The ``state`` :func:`read` gave, each array checked against what its programs take (``takes``:
+  by index, the shape and dtype of the programs' argument) and padded with zeros to the rows the
+  manifest says they take. Nothing is allocated before the check.
+
+  Raises:
+    ValueError: naming ``path`` and the array: an array is not what its
+      programs take, or one that no program takes would have more rows than
+      the largest one they take.
+  """
+  out = []
+  # An array no program takes (kept for deltas) has no more rows than the largest one they take.
+  bound = max((want.shape[0] for want in takes.values() if want.shape), default=0)
+  for i, (array, entry) in enumerate(zip(state, manifest["state"], strict=True)):
+    total = entry.get("rows")
+    want = takes.get(i)
+    if total is not None and (
+      not isinstance(total, int) or total < len(array) or (want is None and total > bound)
+    ):
+      raise ValueError(f"{path / MANIFEST}: corrupted (state {i}: rows {total!r} of {len(array)}).")
+    shape = (array.shape if total is None else (total, *array.shape[1:])) if array.ndim else ()
+    if want is not None and (tuple(want.shape) != tuple(shape) or np.dtype(want.dtype) != array.dtype):
+      raise ValueError(
+        f"{path / MANIFEST}: corrupted (state {i} is {array.dtype}{list(shape)}; its programs take "
+        f"{np.dtype(want.dtype)}{list(want.shape)})."
+      )
+    if total is not None:
+      array = np.concatenate([array, np.zeros((total - len(array), *array.shape[1:]), array.dtype)])
+    out.append(array)
+  return out
 
 
-def _array(file: Path, entry: dict) -> np.ndarray:
-  array = np.load(file, allow_pickle=False)
-  if array.dtype.name != entry["dtype"] or list(array.shape) != entry["shape"]:
-    raise ValueError(
-      f"{file.name} holds {array.dtype}{list(array.shape)}, saved as {entry['dtype']}{entry['shape']}"
-    )
+def _array(file: Path, entry: Any) -> np.ndarray:
+  """The array in ``file`` once it is the one described by its manifest ``entry``."""
+  if not isinstance(entry, dict) or not isinstance(entry.get("shape"), list) or "crc32" not in entry:
+    raise ValueError(f"{file}: corrupted manifest entry {entry!r}.")
+  array = files.load_npy(file, entry.get("dtype"), entry["shape"])
   if zlib.crc32(array.tobytes()) != entry["crc32"]:
-    raise ValueError(f"{file.name} is not the array saved (CRC-32 differs)")
+    raise ValueError(f"{file}: not the array saved (CRC-32 differs).")
   return array
 
 

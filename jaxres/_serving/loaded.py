@@ -131,6 +131,13 @@ class LoadedModel:
     if self._lineage is None:
       raise ValueError(f"{self.path}: exported without updatable=True; it takes no deltas.")
     changed, lineage = updates.applied(self._host, self._lineage, Path(delta))
+    for k, x in changed.items():  # the compiled programs take the arrays as they are
+      before = self._host[k]
+      if np.shape(x) != np.shape(before) or np.asarray(x).dtype != before.dtype:
+        raise ValueError(
+          f"{delta}: corrupted delta (it makes served state {k} {np.asarray(x).dtype}{list(np.shape(x))}; "
+          f"the model's programs take {before.dtype}{list(before.shape)}). The model is left as it was."
+        )
     device = {k: jax.numpy.asarray(x) for k, x in changed.items() if k in self._device}
     for k, x in changed.items():
       self._host[k] = x

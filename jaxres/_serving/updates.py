@@ -294,12 +294,9 @@ def read_delta(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
   Raises:
     ValueError: naming ``path``: not a delta, a newer format version, or damaged.
   """
-  manifest, arrays = directory.read_files(path, DELTA_MANIFEST, DELTA_FORMAT, "jaxres saved-model delta")
-  if manifest.get("version") != DELTA_VERSION:
-    raise ValueError(
-      f"{path}: delta format version {manifest.get('version')!r}; this jaxres reads version {DELTA_VERSION}."
-    )
-  return manifest, arrays
+  return directory.read_files(
+    path, DELTA_MANIFEST, DELTA_FORMAT, "jaxres saved-model delta", (DELTA_VERSION,)
+  )
 
 
 def applied(state: list, served: dict, path: Path) -> tuple[dict[int, np.ndarray], dict]:

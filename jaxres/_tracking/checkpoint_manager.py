@@ -40,8 +40,9 @@ class CheckpointManager:
       the steps they need.
     incremental: save what changed since the step before (see above).
     full_every: with ``incremental``, every this many saves is whole (``None``:
-      only the first and those asked for), so that a chain stays short and old
-      steps can go.
+      every :attr:`FULL_EVERY`-th), so that a chain stays short: a restore
+      reads at most ``full_every`` steps, and ``max_to_keep`` can delete the
+      chains no kept step needs.
 
   Examples:
     >>> import tempfile, jax.numpy as jnp, jaxres as jr
@@ -78,6 +79,8 @@ class CheckpointManager:
     >>> manager.close()
   """
 
+  FULL_EVERY = 16  # incremental saves: by default every 16th is whole (a restore reads at most 16 steps)
+
   def __init__(
     self,
     directory,
@@ -102,13 +105,15 @@ class CheckpointManager:
     self.directory = absolute_path(directory, "directory")
     self.checkpoint = checkpoint
     self._incremental = incremental
-    self._max_to_keep, self._full_every = max_to_keep, full_every
+    self._max_to_keep = max_to_keep
+    self._full_every = self.FULL_EVERY if full_every is None else full_every
     # The manager prunes (not Orbax), keeping the steps that kept steps need: the directory may hold
     # incremental steps even where this manager writes whole ones.
     self._store = StepStore(self.directory)
     self._written: increments.Written | None = None  # the step the next one is written against
     self._saves_since_full = 0
     self._needs: dict[int, list[int]] = {}
+    self._saved = False  # pruning follows this manager's own saves: reading never deletes
 
   def save(self, step: int, full: bool | None = None) -> None:
     """Saves the checkpoint's objects as ``step`` (returns once the arrays are copied).
@@ -133,6 +138,7 @@ class CheckpointManager:
       raise ValueError(f"step: {step} is already saved in {self.directory}.")
     if steps and step < steps[-1]:
       raise ValueError(f"step: {step} is below the latest saved step {steps[-1]}; steps only go up.")
+    self._saved = True
     if not self._incremental:
       nodes, arrays, _ = saving.collect(self.checkpoint.root)
       self._store.save(step, manifest.build(nodes, orbax_io.specs(arrays)), arrays)
@@ -169,7 +175,7 @@ class CheckpointManager:
     if step not in steps:
       raise ValueError(f"step: {step} is not among the saved steps {steps}.")
     check = functools.partial(manifest.check, incremental=True)
-    contents, arrays = increments.materialize(step, lambda s: self._store.load(s, check))
+    contents, arrays = increments.materialize(step, lambda s: self._store.load(s, check), self._store.path)
     self._written = None  # the objects now hold another state than the step written last
     return restoring.restore(self.checkpoint.root, manifest.Reader(contents, arrays, self.step_path(step)))
 
@@ -205,7 +211,9 @@ class CheckpointManager:
       self._store.close()
 
   def _settle(self) -> None:
-    """Waits for the pending save; with incremental saves, then removes the steps no kept step needs.
+    """Waits for the pending save; then, once this manager has saved, removes the steps that are
+    neither among the ``max_to_keep`` newest nor needed by one of them (a manager that only reads
+    deletes nothing, as TensorFlow's).
 
     A failed save raises (``OSError``) and makes the next one whole.
     """
@@ -214,7 +222,7 @@ class CheckpointManager:
     except OSError:
       self._written = None
       raise
-    if self._max_to_keep is None:
+    if self._max_to_keep is None or not self._saved:
       return
     steps = self._store.all_steps()
     kept = set(steps[-self._max_to_keep :])
@@ -227,6 +235,10 @@ class CheckpointManager:
 
   def _steps_needed(self, step: int) -> list[int]:
     if step not in self._needs:
-      contents = orbax_io.read_manifest(self._store.path(step))
-      self._needs[step] = increments.needs(contents if isinstance(contents, dict) else {})
+      label = self._store.path(step)
+      try:
+        contents = manifest.check(orbax_io.read_manifest(label), label, incremental=True)
+      except ValueError:  # a damaged step restores nothing: it keeps no other step
+        contents = {}
+      self._needs[step] = increments.needs(contents)
     return self._needs[step]

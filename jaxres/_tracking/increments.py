@@ -81,43 +81,72 @@ def needs(contents: dict) -> list[int]:
   return list(contents.get("needs", []))
 
 
-def materialize(step: int, load: Callable[[int], tuple[dict, dict]]) -> tuple[dict, dict]:
+def materialize(
+  step: int, load: Callable[[int], tuple[dict, dict]], label: Callable[[int], str] = str
+) -> tuple[dict, dict]:
   """The manifest and arrays of ``step`` as a whole checkpoint.
 
   ``load(step)``: a step's own manifest (checked) and the arrays stored in it
-  (called once per step).
+  (called once per step); ``label(step)``: how errors name a step. The chain
+  of parents is followed and composed in a loop, so its length is bounded by
+  the steps on disk, not by Python's recursion limit.
 
   Raises:
-    ValueError: a step it needs is missing or does not fit it (corrupted).
+    ValueError: naming the step and the field: a step it needs is missing, or
+      its lineage (``parent``, ``needs``, where kept arrays are stored) does
+      not fit the steps it names (corrupted).
   """
   loaded: dict[int, tuple[dict, dict]] = {}
-  made: dict[int, tuple[dict, dict]] = {}
 
   def own(s: int) -> tuple[dict, dict]:
     if s not in loaded:
       loaded[s] = load(s)
     return loaded[s]
 
-  def whole_of(s: int) -> tuple[dict, dict]:
-    if s in made:
-      return made[s]
-    contents, stored = own(s)
-    if contents["format"] != manifest.INCREMENTAL_FORMAT:
-      made[s] = contents, stored
-      return made[s]
-    arrays = {}
-    for key, spec in contents["arrays"].items():
-      arrays[key] = own(spec["step"])[1][spec["key"]] if "step" in spec else stored[key]
-    nodes = {}
-    for path, node in contents["nodes"].items():
-      if node.get("delta"):
-        node, arrays = _composed(path, node, arrays, whole_of(contents["parent"]), contents["parent"])
-      nodes[path] = node
-    specs = {key: _described(a) for key, a in arrays.items()}
-    made[s] = manifest.build(nodes, specs), arrays
-    return made[s]
+  chain = [step]  # the step, its parent, ..., down to a whole step; parents only go down
+  while own(chain[-1])[0]["format"] == manifest.INCREMENTAL_FORMAT:
+    chain.append(_checked_parent(chain[-1], own, label))
+  made = own(chain[-1])
+  for s in reversed(chain[:-1]):
+    made = _whole(s, own, made)
+  return made
 
-  return whole_of(step)
+
+def _checked_parent(s: int, own, label) -> int:
+  """The parent of the incremental step ``s``, once its lineage is checked against the parent's."""
+  contents = own(s)[0]
+  parent, needed = contents["parent"], contents["needs"]
+  if parent >= s:
+    raise ValueError(f"{label(s)}: corrupted manifest (parent {parent} is not an earlier step).")
+  parent_contents = own(parent)[0]
+  expected = sorted({parent, *needs(parent_contents)})
+  if needed != expected:
+    raise ValueError(
+      f"{label(s)}: corrupted manifest (needs {needed} but its parent, step {parent}, makes it need "
+      f"{expected})."
+    )
+  for key, spec in contents["arrays"].items():
+    if "step" in spec and (spec["step"] not in needed or spec["key"] not in own(spec["step"])[1]):
+      raise ValueError(
+        f"{label(s)}: corrupted manifest (array {key} is kept in step {spec['step']} under "
+        f"{spec['key']!r}, which that step does not hold or this step does not need)."
+      )
+  return parent
+
+
+def _whole(s: int, own, parent: tuple[dict, dict]) -> tuple[dict, dict]:
+  """The incremental step ``s`` as a whole checkpoint, its parent's whole form given."""
+  contents, stored = own(s)
+  arrays = {}
+  for key, spec in contents["arrays"].items():
+    arrays[key] = own(spec["step"])[1][spec["key"]] if "step" in spec else stored[key]
+  nodes = {}
+  for path, node in contents["nodes"].items():
+    if node.get("delta"):
+      node, arrays = _composed(path, node, arrays, parent, contents["parent"])
+    nodes[path] = node
+  specs = {key: _described(a) for key, a in arrays.items()}
+  return manifest.build(nodes, specs), arrays
 
 
 def _described(array) -> dict:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxres._persistence import processes
+from jaxres._persistence import files, processes
 from jaxres._persistence.processes import Blocks
 from jaxres._tracking import paths
 
@@ -39,7 +39,8 @@ def build(nodes: dict[str, dict], specs: dict[str, dict]) -> dict:
 
 
 def check(manifest: Any, label: str, incremental: bool = False) -> dict:
-  """``manifest`` if it is a well-formed manifest of the version this jaxres reads.
+  """``manifest`` if it is a well-formed manifest of the version this jaxres reads, and the one
+  written (its checksum, checked last, removed).
 
   ``incremental``: an incremental step may be read (by the manager, which
   reads the steps it needs too, or to inspect it).
@@ -65,9 +66,31 @@ def check(manifest: Any, label: str, incremental: bool = False) -> dict:
       f"protocol (version {VERSION}); restore it with that release and save it again."
     )
   problem = _graph_problem(manifest.get("nodes"), manifest.get("arrays"))
+  if kind == INCREMENTAL_FORMAT:
+    problem = problem or _lineage_problem(manifest)
   if problem:
     raise ValueError(f"{label}: corrupted manifest ({problem}).")
-  return manifest
+  return files.unsealed(manifest, label)
+
+
+def _lineage_problem(manifest: dict) -> str | None:
+  """What is malformed in an incremental step's own lineage fields (the steps it names are
+  cross-checked when they are read: see ``increments.materialize``)."""
+  parent, needs = manifest.get("parent"), manifest.get("needs")
+  if not _is_step(parent):
+    return f"parent {parent!r} is not a step number"
+  if not isinstance(needs, list) or not all(map(_is_step, needs)) or needs != sorted(set(needs)):
+    return f"needs {needs!r} is not a sorted list of step numbers"
+  if parent not in needs:
+    return f"needs {needs} lacks the parent {parent}"
+  for key, spec in manifest["arrays"].items():
+    if "step" in spec and not (_is_step(spec["step"]) and isinstance(spec.get("key"), str)):
+      return f"array {key} is kept in an earlier step that it does not name"
+  return None
+
+
+def _is_step(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _graph_problem(nodes: Any, specs: Any) -> str | None:

@@ -15,16 +15,16 @@ host holds all of it. Other arrays are written once and read by every process.
 
 from __future__ import annotations
 
-import json
 import os
 import zlib
+from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxres._persistence import processes
+from jaxres._persistence import files, processes
 from jaxres._persistence.processes import Blocks
 
 ARRAYS_DIR = "arrays"
@@ -78,8 +78,9 @@ def write(directory: str, manifest: dict, arrays: dict[str, np.ndarray | jax.Arr
 
 
 def _items(manifest: dict, arrays: dict[str, np.ndarray | jax.Array]) -> dict:
-  """The Orbax items of a checkpoint: the manifest, and the arrays that are not empty."""
-  items = {MANIFEST_ITEM: ocp.args.JsonSave(manifest)}
+  """The Orbax items of a checkpoint: the manifest (sealed with its checksum), and the arrays that
+  are not empty."""
+  items = {MANIFEST_ITEM: ocp.args.JsonSave(files.sealed(manifest))}
   stored = {key: value for key, value in arrays.items() if value.size}
   if stored:
     items[ARRAYS_DIR] = ocp.args.StandardSave(stored)
@@ -87,22 +88,24 @@ def _items(manifest: dict, arrays: dict[str, np.ndarray | jax.Array]) -> dict:
 
 
 def read_manifest(directory: str) -> Any:
-  """The manifest a checkpoint directory holds, as JSON (unchecked): Orbax's JSON item, or the
-  ``manifest.json`` of a checkpoint written before checkpoints were Orbax items.
+  """The manifest a checkpoint directory holds, as JSON (unchecked: see ``manifest.check``):
+  Orbax's JSON item, or the ``manifest.json`` of a checkpoint written before checkpoints were Orbax
+  items. Everything in the directory is checked to be a regular file or a directory first (nothing
+  that would block a reader, no link leading out), since Orbax then reads the arrays on its own.
 
   Raises:
-    ValueError: no manifest, or one that is not JSON.
+    ValueError: no manifest, one that is not JSON, or a file of another kind in
+      the directory.
   """
+  if not os.path.isdir(directory):
+    raise ValueError(f"{directory}: not a jaxres checkpoint (no such directory).")
+  files.check_tree(Path(directory))
   path = os.path.join(directory, MANIFEST_ITEM, "metadata")
   if not os.path.isfile(path) and os.path.exists(os.path.join(directory, LEGACY_MANIFEST)):
     path = os.path.join(directory, LEGACY_MANIFEST)
-  try:
-    with open(path, encoding="utf-8") as f:
-      return json.load(f)
-  except (FileNotFoundError, NotADirectoryError):
-    raise ValueError(f"{directory}: not a jaxres checkpoint (no manifest).") from None
-  except (json.JSONDecodeError, UnicodeDecodeError) as err:
-    raise ValueError(f"{path}: corrupted manifest ({err}).") from None
+  if not os.path.exists(path):
+    raise ValueError(f"{directory}: not a jaxres checkpoint (no manifest).")
+  return files.read_json(Path(path), "manifest")
 
 
 def load_arrays(directory: str, specs: dict[str, dict]) -> dict[str, np.ndarray | Blocks]:
@@ -198,6 +201,7 @@ class StepStore:
     """``(manifest, arrays)`` of ``step``; ``check_manifest`` vets the manifest first."""
     self.wait()
     label = self._label(step)
+    files.check_tree(Path(label))
     try:
       args = ocp.args.Composite(manifest=ocp.args.JsonRestore())
       manifest = self._manager.restore(step, args=args)["manifest"]
