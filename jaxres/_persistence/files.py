@@ -154,8 +154,8 @@ def load_npy(path: Path, dtype: Any = None, shape: Any = None) -> np.ndarray:
       if read_header is None:
         raise ValueError(f"format version {version}")
       found_shape, fortran, found_dtype = read_header(f)
-    except (ValueError, OSError, SyntaxError, TypeError) as err:
-      raise ValueError(f"{path}: not a readable .npy file ({err}).") from None
+    except Exception as err:  # NumPy parses a damaged header with Python's tokenizer: any error
+      raise ValueError(f"{path}: not a readable .npy file ({type(err).__name__}: {err}).") from None
     if found_dtype.hasobject:
       raise ValueError(f"{path}: holds Python objects, which jaxres never writes.")
     try:

@@ -15,7 +15,9 @@ A delta (:mod:`updates`) is a directory of named arrays (``<name>.npy``) and a
 manifest describing them (:func:`write_files`, :func:`read_files`).
 
 A directory is written under a temporary name beside ``path`` and renamed
-into place, so an interrupted save leaves nothing at ``path``.
+into place (:mod:`jaxres._persistence.replacing`): an interrupted save never
+leaves a partial directory at ``path``, and one killed while replacing an
+earlier directory is recovered by the next save or load there.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import zlib
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxres._persistence import files
+from jaxres._persistence import files, replacing
 
 FORMAT = "jaxres.saved_model"
 VERSION = 2  # 2: state arrays may hold only their rows in use ("rows"); written only where they do
@@ -49,7 +50,8 @@ def write(
   """
   rows = rows or {}
   path.parent.mkdir(parents=True, exist_ok=True)
-  staged = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+  replacing.remove_stale(path)
+  staged = Path(replacing.staging_dir(path))
   try:
     (staged / "programs").mkdir()
     (staged / "state").mkdir()
@@ -66,7 +68,7 @@ def write(
     contents = {"format": FORMAT, "version": version, **manifest, "state": described, "programs": checksums}
     text = json.dumps(files.sealed(contents), indent=1)
     (staged / MANIFEST).write_text(text)
-    replace(staged, path)
+    replacing.replace(staged, path)
   except BaseException:
     shutil.rmtree(staged, ignore_errors=True)
     raise
@@ -81,14 +83,15 @@ def write_files(path: Path, name: str, manifest: dict, arrays: dict[str, np.ndar
   """Writes a directory of the named ``arrays`` (``<name>.npy``, names may hold ``/``) and the JSON
   ``manifest`` (as the file ``name``, with each array described), replacing one at ``path``."""
   path.parent.mkdir(parents=True, exist_ok=True)
-  staged = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+  replacing.remove_stale(path)
+  staged = Path(replacing.staging_dir(path))
   try:
     described = {}
     for key, array in arrays.items():
       (staged / key).parent.mkdir(parents=True, exist_ok=True)
       described[key] = _save(staged / f"{key}.npy", np.asarray(array))
     (staged / name).write_text(json.dumps(files.sealed(manifest | {"arrays": described}), indent=1))
-    replace(staged, path)
+    replacing.replace(staged, path)
   except BaseException:
     shutil.rmtree(staged, ignore_errors=True)
     raise
@@ -117,6 +120,7 @@ def read_files(
 def _manifest(path: Path, name: str, format: str, what: str, versions: tuple[int, ...]) -> dict:
   """The manifest ``name`` in ``path``: of ``format``, of one of ``versions``, and the one written
   (its checksum checked last, so that a newer version is said as such)."""
+  replacing.recover(path)  # a save killed while replacing the directory there
   file = path / name
   if not file.exists():
     raise ValueError(f"{path}: not a {what} (no {name}).")
@@ -160,17 +164,6 @@ def read_manifest(path: Path) -> dict:
 
 def _is_saved_model(path: Path) -> bool:
   return (path / MANIFEST).is_file() or (path / "saved_model.pb").is_file()
-
-
-def replace(staged: Path, path: Path) -> None:
-  """Moves the finished directory ``staged`` to ``path``, replacing an earlier saved model there."""
-  if path.exists():
-    old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
-    os.replace(path, old / "model")
-    os.replace(staged, path)
-    shutil.rmtree(old, ignore_errors=True)
-  else:
-    os.replace(staged, path)
 
 
 def read(path: Path) -> tuple[dict, list[bytes], list[np.ndarray]]:

@@ -16,7 +16,6 @@ TensorFlow is imported here alone, and only for this format.
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +23,7 @@ import tensorflow as tf
 from jax.experimental import jax2tf
 
 from jaxres._core.encoding import strings
-from jaxres._serving import directory
+from jaxres._persistence import replacing
 from jaxres._serving.signature import Input
 
 
@@ -35,12 +34,12 @@ def write(path: Path, signatures, programs, position, state, checkpoint) -> None
   concrete = {}
   for name, sig in signatures.items():
     concrete[name] = _serving_function(module, sig, programs[name], position)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  staged = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+  replacing.remove_stale(path)
+  staged = Path(replacing.staging_dir(path))
   try:
     tf.saved_model.save(module, str(staged), signatures=concrete)
     checkpoint(staged)
-    directory.replace(staged, path)
+    replacing.replace(staged, path)
   except BaseException:
     shutil.rmtree(staged, ignore_errors=True)
     raise

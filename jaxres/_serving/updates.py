@@ -73,9 +73,27 @@ class Rows:
 
   @classmethod
   def from_arrays(cls, arrays: dict, leaves: int, num_slots: int | None) -> Rows:
-    live = None if num_slots is None else np.unpackbits(arrays["live"], count=num_slots).astype(bool)
+    """The rows of a delta's arrays, once their sizes agree (``num_slots``: the bits of ``live``).
+
+    Raises:
+      ValueError: ``num_slots`` is not what the packed ``live`` bits hold, or a
+        slot is out of range or repeated.
+    """
+    live = None
+    if num_slots is not None:
+      packed = arrays["live"]
+      if not isinstance(num_slots, int) or packed.ndim != 1 or -(-num_slots // 8) != len(packed):
+        raise ValueError(f"slots_total {num_slots!r} is not the {8 * len(packed)} bits of live at most")
+      live = np.unpackbits(packed, count=num_slots).astype(bool)
     values = [arrays.get(f"values/{j}") for j in range(leaves)]
-    return cls(arrays["words"], values, np.asarray(arrays["slots"], np.int64), live)
+    slots = np.asarray(arrays["slots"], np.int64)
+    if (
+      slots.ndim != 1
+      or len(np.unique(slots)) != len(slots)
+      or (live is not None and len(slots) and (slots.min() < 0 or slots.max() >= len(live)))
+    ):
+      raise ValueError("slots repeated or out of range")
+    return cls(arrays["words"], values, slots, live)
 
 
 def table_rows(table: Table, since: Mark | None, served: list[bool]) -> tuple[Mark | None, Rows]:
@@ -312,6 +330,10 @@ def applied(state: list, served: dict, path: Path) -> tuple[dict[int, np.ndarray
     after, parent = manifest["lineage"], manifest["parent"]
     if after["model"] != served["model"]:
       raise ValueError(f"{path}: a delta of another model than the one served.")
+    if _layout(after) != _layout(served):  # where the served arrays are, and their room: the model's
+      raise ValueError(
+        f"{path}: corrupted delta (its tables' places, fields or capacities are not the served model's)."
+      )
     if after["step"] <= served["step"]:
       raise ValueError(f"{path}: the delta of step {after['step']}; this model serves step {served['step']}.")
     if parent["id"] != served["id"]:
@@ -330,9 +352,19 @@ def applied(state: list, served: dict, path: Path) -> tuple[dict[int, np.ndarray
     for place, _, _ in after["dense"]:
       if f"dense/{place}" in arrays:
         out[place] = _alike(arrays[f"dense/{place}"], state[place], f"array {place}", path)
-  except (KeyError, TypeError, IndexError) as err:
+  except (KeyError, TypeError, IndexError, AttributeError) as err:
     raise ValueError(f"{path}: corrupted delta ({err!r}).") from None
+  except ValueError as err:
+    if str(path) in str(err):
+      raise
+    raise ValueError(f"{path}: corrupted delta ({err}).") from None
   return out, after
+
+
+def _layout(lineage: dict) -> tuple:
+  """What of a lineage only an export sets: each table's path, places and capacity, the dense places."""
+  tables = [(t["path"], t["fields"], t["values"], t["capacity"]) for t in lineage["tables"]]
+  return tables, [place for place, *_ in lineage["dense"]]
 
 
 def _alike(new: np.ndarray, old: np.ndarray, what: str, path: Path, rows: bool = False) -> np.ndarray:
@@ -359,6 +391,8 @@ def _table_applied(state: list, record: dict, rows: Rows, path: Path) -> dict[in
   words = np.concatenate([keys[keep], _alike(rows.words, keys, f"the keys of {record['path']}", path, True)])
   order = np.lexsort(words.T[::-1])
   n = len(order)
+  if n > 1 and np.any(np.all(words[order[1:]] == words[order[:-1]], axis=1)):
+    raise ValueError(f"{path}: corrupted delta (the table at {record['path']} would hold a key twice).")
   if n > capacity:
     raise ValueError(
       f"{path}: the table at {record['path']} would hold {n} entries; the served model has room "

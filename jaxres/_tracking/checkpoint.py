@@ -17,15 +17,13 @@ yet is restored the moment an object is attached there.
 
 from __future__ import annotations
 
-import glob
 import os
 import secrets
 import shutil
-import tempfile
 import time
 from typing import Any
 
-from jaxres._persistence import processes
+from jaxres._persistence import processes, replacing
 from jaxres._shell.trackable import AutoTrackable
 from jaxres._tracking import manifest, orbax_io, restoring, saving
 from jaxres._tracking.status import LoadStatus
@@ -116,7 +114,7 @@ class Checkpoint(AutoTrackable):
         raise OSError(f"{path}: could not write the checkpoint, nothing was replaced ({err}).") from err
       processes.barrier("jaxres: checkpoint written")
       if processes.is_primary():
-        _replace_dir(staging, path)
+        replacing.replace(staging, path)
       processes.barrier("jaxres: checkpoint in place")
     except BaseException:
       if processes.is_primary():
@@ -140,7 +138,7 @@ class Checkpoint(AutoTrackable):
     """
     directory = orbax_io.absolute_path(path)
     if processes.is_primary():
-      _recover(directory)
+      replacing.recover(directory)
     processes.barrier("jaxres: checkpoint recovered")
     contents = manifest.check(orbax_io.read_manifest(directory), directory)
     arrays = orbax_io.load_arrays(directory, contents["arrays"])
@@ -157,23 +155,12 @@ def _staging(path: str) -> str:
   """A new path beside ``path`` that this save's checkpoint is committed to (named alike on every
   process), before it takes ``path``'s place."""
   parent, name = os.path.split(path)
-  staging = os.path.join(parent, f".{name}.saving-{processes.agreed(secrets.randbelow(2**31))}")
+  staging = os.path.join(parent, f".{name}.{replacing.SAVING}{processes.agreed(secrets.randbelow(2**31))}")
   if processes.is_primary():
     os.makedirs(parent, exist_ok=True)
-    _recover(path)
+    replacing.remove_stale(path)  # what killed saves left here
   processes.barrier("jaxres: checkpoint staged")
   return staging
-
-
-def _replace_dir(staging: str, path: str) -> None:
-  """Moves ``staging`` to ``path``; an existing ``path`` is retired first (see :func:`_recover`)."""
-  if not os.path.exists(path):
-    os.rename(staging, path)
-    return
-  retired = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=os.path.dirname(path))
-  os.rename(path, os.path.join(retired, "checkpoint"))
-  os.rename(staging, path)
-  shutil.rmtree(retired, ignore_errors=True)
 
 
 def _discard(staging: str, settle: float = 0.2, patience: float = 10.0) -> None:
@@ -196,16 +183,3 @@ def _discard(staging: str, settle: float = 0.2, patience: float = 10.0) -> None:
 def _written(staging: str) -> list[str]:
   """``staging`` and Orbax's temporary directory for it, those that exist (no other save's)."""
   return [d for d in (staging, staging + orbax_io.TEMPORARY_SUFFIX) if os.path.exists(d)]
-
-
-def _recover(path: str) -> None:
-  """Puts back the checkpoint that a save killed between its two renames had retired."""
-  if os.path.exists(path):
-    return
-  parent, name = os.path.split(path)
-  for retired in sorted(glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}.old-*"))):
-    previous = os.path.join(retired, "checkpoint")
-    if os.path.isdir(previous):
-      os.rename(previous, path)
-      shutil.rmtree(retired, ignore_errors=True)
-      return

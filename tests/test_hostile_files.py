@@ -1,0 +1,290 @@
+"""Files from a damaged disk or an attacker (issue 45): every file jaxres reads back is checked
+before anything changes.
+
+Each test damages or crafts one kind of file the way a flipped bit, a hostile
+writer or a long run would, and asserts a ``ValueError`` naming the file (or
+an exact restore), with the served model or the restored objects left as
+they were. Manifests are re-sealed with their checksum (``reseal``) where a
+test stands for an attacker, who can recompute it: the cross-checks must
+hold without the checksum.
+"""
+
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from test_serving_deltas import CPU, SIGNATURES, Trainer, _answers, _same_answers
+from tower import Model
+
+import jaxres as jr
+from jaxres._persistence import files, replacing
+from jaxres._tracking import increments, manifest
+
+
+def reseal(file, edit):
+  """Edits the JSON manifest ``file`` (``edit(data)`` in place) and writes it sealed anew."""
+  data = json.loads(file.read_text())
+  data.pop(files.SEAL, None)
+  edit(data)
+  file.write_text(json.dumps(files.sealed(data)))
+
+
+@pytest.fixture(scope="module")
+def served_pair(tmp_path_factory):
+  """An updatable export at step 2 and the delta of step 3 (read-only: tests copy what they damage)."""
+  root = tmp_path_factory.mktemp("served")
+  trainer = Trainer(Model(64))
+  trainer.train(2)
+  jr.saved_model.save(trainer.model, root / "export", SIGNATURES, updatable=True, step=2, platforms=CPU)
+  trainer.train(1)
+  jr.saved_model.save_delta(trainer.model, root / "delta", since=root / "export", step=3)
+  return root
+
+
+def _copy(served_pair, tmp_path, name="delta"):
+  return shutil.copytree(served_pair / name, tmp_path / name, symlinks=True)
+
+
+def _refused(served_pair, delta, match):
+  """``update(delta)`` raises a ValueError matching ``match`` and leaves the served model as it was."""
+  served = jr.saved_model.load(served_pair / "export")
+  before = _answers(served)
+  with pytest.raises(ValueError, match=match):
+    served.update(delta)
+  assert served.step == 2
+  _same_answers(_answers(served), before)
+
+
+@pytest.mark.parametrize("name", ["../outside", "/tmp/outside", "tables/../../outside", "tables//0"])
+def test_a_delta_naming_files_outside_its_directory_is_refused(served_pair, tmp_path, name):
+  delta = _copy(served_pair, tmp_path)
+  words = np.load(delta / "tables" / "0" / "words.npy")
+  np.save(tmp_path / "outside.npy", words)  # what an escape would read, were names not confined
+
+  def rename(data):
+    data["arrays"][name] = data["arrays"].pop("tables/0/words")
+
+  reseal(delta / "delta.json", rename)
+  _refused(served_pair, delta, "not a plain relative name")
+
+
+def test_a_symlink_leaving_the_delta_is_refused(served_pair, tmp_path):
+  delta = _copy(served_pair, tmp_path)
+  file = delta / "tables" / "0" / "words.npy"
+  shutil.move(file, tmp_path / "words.npy")
+  os.symlink(tmp_path / "words.npy", file)
+  _refused(served_pair, delta, "outside the directory")
+
+
+def test_a_fifo_in_place_of_a_file_is_refused_without_waiting(served_pair, tmp_path):
+  delta = _copy(served_pair, tmp_path)
+  os.remove(delta / "tables" / "0" / "words.npy")
+  os.mkfifo(delta / "tables" / "0" / "words.npy")
+  _refused(served_pair, delta, "not a regular file")
+  root = jr.AutoTrackable()
+  root.x = np.ones(3)
+  path = jr.Checkpoint(model=root).save(tmp_path / "ckpt")
+  metadata = os.path.join(path, "manifest", "metadata")
+  os.remove(metadata)
+  os.mkfifo(metadata)
+  with pytest.raises(ValueError, match="not a regular file"):
+    jr.Checkpoint(model=jr.AutoTrackable()).restore(path)
+
+
+def test_crafted_sizes_are_refused_before_allocating(served_pair, tmp_path):
+  delta = _copy(served_pair, tmp_path)
+  file = delta / "tables" / "0" / "words.npy"
+  with open(file, "wb") as f:  # a header claiming 64 GiB, and no data
+    np.lib.format.write_array_header_1_0(f, {"descr": "<u4", "fortran_order": False, "shape": (2**33, 2)})
+  reseal(delta / "delta.json", lambda d: d["arrays"]["tables/0/words"].update(shape=[2**33, 2]))
+  _refused(served_pair, delta, "not the 68719476736 bytes its header says")
+
+  delta = _copy(served_pair, tmp_path / "b")
+  reseal(delta / "delta.json", lambda d: d["lineage"]["tables"][0].update(slots_total=2**40))
+  _refused(served_pair, delta, "slots_total")
+
+  export = _copy(served_pair, tmp_path, "export")
+  reseal(export / "saved_model.json", lambda d: [e.update(rows=2**40) for e in d["state"] if "rows" in e])
+  with pytest.raises(ValueError, match="corrupted"):
+    jr.saved_model.load(export)
+
+
+def test_a_delta_that_moves_or_grows_served_arrays_is_refused(served_pair, tmp_path):
+  for i, edit in enumerate(
+    [
+      lambda t: t.update(capacity=t["capacity"] * 4),
+      lambda t: t["fields"].update(keys=t["fields"]["count"]),
+      lambda t: t.update(values=list(reversed(t["values"]))),
+    ]
+  ):
+    delta = _copy(served_pair, tmp_path / str(i))
+    reseal(delta / "delta.json", lambda d, edit=edit: edit(d["lineage"]["tables"][0]))
+    _refused(served_pair, delta, "not the served model's")
+
+
+def test_a_delta_holding_a_key_twice_is_refused(served_pair, tmp_path):
+  delta = _copy(served_pair, tmp_path)
+  file = delta / "tables" / "0" / "words.npy"
+  words = np.load(file)
+  assert len(words) >= 2
+  words[1] = words[0]
+  np.save(file, words)
+  reseal(
+    delta / "delta.json",
+    lambda d: d["arrays"]["tables/0/words"].update(crc32=files.zlib.crc32(words.tobytes())),
+  )
+  _refused(served_pair, delta, "a key twice")
+
+
+def test_single_bit_flips_of_a_delta_are_refused_or_exact(served_pair, tmp_path):
+  """200 seeded flips over every file of a delta: each is refused (the model left as it was) or
+  the update is exact; none answers wrongly, crashes or hangs."""
+  reference = jr.saved_model.load(served_pair / "export")
+  reference.update(served_pair / "delta")
+  expected = _answers(reference)
+  rng = np.random.default_rng(0)
+  paths = sorted(
+    p.relative_to(served_pair / "delta") for p in (served_pair / "delta").rglob("*") if p.is_file()
+  )
+  served = jr.saved_model.load(served_pair / "export")
+  before = _answers(served)
+  refused = 0
+  for trial in range(200):
+    delta = _copy(served_pair, tmp_path / str(trial))
+    file = delta / paths[trial % len(paths)]
+    data = bytearray(file.read_bytes())
+    bit = int(rng.integers(8 * len(data)))
+    data[bit // 8] ^= 1 << (bit % 8)
+    file.write_bytes(bytes(data))
+    try:
+      served.update(delta)
+    except ValueError:
+      refused += 1
+      assert served.step == 2
+      continue
+    _same_answers(_answers(served), expected)
+    served = jr.saved_model.load(served_pair / "export")
+  _same_answers(_answers(served), before)
+  assert refused >= 190  # checksums cover every byte that matters
+
+
+def test_flipped_bits_of_an_export_are_refused(served_pair, tmp_path):
+  export = _copy(served_pair, tmp_path, "export")
+  program = export / "programs" / "0.jaxexport"
+  data = bytearray(program.read_bytes())
+  data[len(data) // 2] ^= 4
+  program.write_bytes(bytes(data))
+  with pytest.raises(ValueError, match="CRC-32"):
+    jr.saved_model.load(export)
+  export = _copy(served_pair, tmp_path / "b", "export")
+  text = (export / "saved_model.json").read_text()
+  (export / "saved_model.json").write_text(text.replace('"rows"', '"rowz"', 1))
+  with pytest.raises(ValueError, match="checksum"):
+    jr.saved_model.load(export)
+
+
+def _manager_steps(tmp_path, steps, incremental=True, **options):
+  root = jr.AutoTrackable()
+  root.table = jr.MutableHashTable(np.int64, np.float32, default_value=0.0, initial_capacity=64)
+  manager = jr.CheckpointManager(tmp_path, jr.Checkpoint(model=root), incremental=incremental, **options)
+  for step in range(steps):
+    root.table.insert(np.array([step]), np.array([float(step)], np.float32))
+    manager.save(step)
+  manager.wait_until_finished()
+  return root, manager
+
+
+def test_a_step_whose_lineage_was_rewritten_is_refused(tmp_path):
+  root, manager = _manager_steps(tmp_path, 3)
+  metadata = tmp_path / "2" / "manifest" / "metadata"
+  original = metadata.read_text()
+  reseal(metadata, lambda d: d.update(parent=0))  # "needs" still says [0, 1]
+  with pytest.raises(ValueError, match="needs"):
+    manager.restore(2)
+  metadata.write_text(original.replace('"parent": 1', '"parent": 0'))  # a flipped bit, not resealed
+  with pytest.raises(ValueError, match="checksum"):
+    manager.restore(2)
+  metadata.write_text(original)
+  root.table.remove(np.array([2]))
+  manager.restore(2)
+  assert root.table.find(np.array([0, 1, 2])).tolist() == [0.0, 1.0, 2.0]
+  manager.close()
+
+
+def test_long_chains_compose_in_a_loop():
+  """A chain of 2,000 incremental steps (beyond Python's recursion limit) is followed and checked
+  in a loop."""
+  node = {"kind": "trackable", "type": "t", "arrays": {}, "children": []}
+  whole = manifest.build({"": node}, {})
+
+  def load(step):
+    if step == 0:
+      return whole, {}
+    contents = whole | {"format": manifest.INCREMENTAL_FORMAT, "parent": step - 1, "needs": list(range(step))}
+    return manifest.check(contents, str(step), incremental=True), {}
+
+  contents, arrays = increments.materialize(2000, load)
+  assert contents["nodes"] == {"": node} and arrays == {}
+
+
+def test_by_default_chains_are_bounded_and_old_ones_go(tmp_path):
+  root, manager = _manager_steps(tmp_path, 20, max_to_keep=1)
+  steps = manager.all_steps()
+  assert steps[-1] == 19 and len(steps) <= jr.CheckpointManager.FULL_EVERY
+  root.table.remove(np.arange(20))
+  manager.restore()
+  assert root.table.find(np.arange(20)).tolist() == [float(i) for i in range(20)]
+  manager.close()
+
+
+def test_a_manager_that_only_reads_deletes_nothing(tmp_path):
+  _, manager = _manager_steps(tmp_path, 4, incremental=False)  # whole steps: none needs another
+  manager.close()
+  root = jr.AutoTrackable()
+  root.table = jr.MutableHashTable(np.int64, np.float32, default_value=0.0, initial_capacity=64)
+  reader = jr.CheckpointManager(tmp_path, jr.Checkpoint(model=root), max_to_keep=2)
+  assert reader.all_steps() == [0, 1, 2, 3] and reader.latest_step() == 3
+  reader.restore()
+  reader.wait_until_finished()
+  reader.close()
+  assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [0, 1, 2, 3]
+
+
+def _export(obj, path):
+  twice = jr.saved_model.Signature(lambda obj, x: obj.scale * x, x=jax.ShapeDtypeStruct((2,), np.float32))
+  jr.saved_model.save(obj, path, {"twice": twice}, platforms=CPU)
+
+
+def test_a_save_killed_while_replacing_an_export_is_recovered(tmp_path, monkeypatch):
+  obj = jr.AutoTrackable()
+  obj.scale = jax.numpy.float32(2.0)
+  _export(obj, tmp_path / "export")
+  rename = os.rename
+
+  def killed_before_the_new_one(src, dst):  # the old export is retired, then the process dies
+    if os.fspath(dst) == os.fspath(tmp_path / "export"):
+      raise KeyboardInterrupt
+    rename(src, dst)
+
+  monkeypatch.setattr(os, "rename", killed_before_the_new_one)
+  obj.scale = jax.numpy.float32(3.0)
+  with pytest.raises(KeyboardInterrupt):
+    _export(obj, tmp_path / "export")
+  monkeypatch.undo()
+  assert not (tmp_path / "export").exists()
+  served = jr.saved_model.load(tmp_path / "export")  # the export retired is put back
+  assert served.signatures["twice"](x=np.ones(2, np.float32))["output"].tolist() == [2.0, 2.0]
+
+
+def test_what_killed_saves_left_is_removed_by_the_next_save_there(tmp_path):
+  obj = jr.AutoTrackable()
+  obj.scale = jax.numpy.float32(2.0)
+  for name, save in (("export", _export), ("ckpt", lambda o, p: jr.Checkpoint(model=o).save(p))):
+    save(obj, tmp_path / name)
+    for stale in (f".{name}.saving-12", f".{name}.saving-12.orbax-checkpoint-tmp", f".{name}.old-x/previous"):
+      (tmp_path / stale).mkdir(parents=True)
+    save(obj, tmp_path / name)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(f".{name}.")) == []
