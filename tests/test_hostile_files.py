@@ -12,6 +12,7 @@ hold without the checksum.
 import json
 import os
 import shutil
+import threading
 
 import jax
 import numpy as np
@@ -20,7 +21,7 @@ from test_serving_deltas import CPU, SIGNATURES, Trainer, _answers, _same_answer
 from tower import Model
 
 import jaxres as jr
-from jaxres._persistence import files, replacing
+from jaxres._persistence import files
 from jaxres._tracking import increments, manifest
 
 
@@ -288,3 +289,68 @@ def test_what_killed_saves_left_is_removed_by_the_next_save_there(tmp_path):
       (tmp_path / stale).mkdir(parents=True)
     save(obj, tmp_path / name)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(f".{name}.")) == []
+
+
+def test_saves_while_threads_write_succeed_and_hold_a_state_the_table_had(tmp_path):
+  """Three writers insert their own keys in order (thread t: t * 10**6 + i, value i) while the main
+  thread saves: every save succeeds, and every checkpoint holds, of each writer, a prefix of its
+  keys (a state the table really had, never a mix of two)."""
+  root = jr.AutoTrackable()
+  root.table = jr.MutableHashTable(np.int64, np.int64, default_value=-1, initial_capacity=16)
+  stop = threading.Event()
+
+  def write(t):
+    i = 0
+    while not stop.is_set():
+      root.table.insert(np.array([t * 10**6 + i]), np.array([i]))
+      i += 1
+
+  writers = [threading.Thread(target=write, args=(t,)) for t in range(3)]
+  for w in writers:
+    w.start()
+  manager = jr.CheckpointManager(tmp_path / "steps", jr.Checkpoint(model=root), incremental=True)
+  try:
+    for step in range(8):
+      jr.Checkpoint(model=root).save(tmp_path / f"ckpt{step}")
+      manager.save(step)
+  finally:
+    stop.set()
+    for w in writers:
+      w.join()
+  manager.wait_until_finished()
+  paths = [lambda r, s=s: jr.Checkpoint(model=r).restore(tmp_path / f"ckpt{s}") for s in range(8)]
+  paths += [lambda r, s=s: manager.restore(s) for s in range(8)]
+  for restore in paths:
+    fresh = jr.AutoTrackable()
+    fresh.table = jr.MutableHashTable(np.int64, np.int64, default_value=-1)
+    manager.checkpoint = jr.Checkpoint(model=fresh)
+    restore(fresh)
+    keys, values = fresh.table.export()
+    for t in range(3):
+      mine = np.sort(keys[keys // 10**6 == t] - t * 10**6)
+      assert mine.tolist() == list(range(len(mine)))
+    assert np.array_equal(values, keys % 10**6)
+  manager.close()
+
+
+def test_string_keys_are_utf8_on_the_way_in_and_in_checkpoints(tmp_path):
+  table = jr.MutableHashTable(str, np.float32, default_value=0.0)
+  table.insert(["a"], np.ones(1, np.float32))
+  with pytest.raises(ValueError, match=r"keys: b'\\xff\\xfe' is not UTF-8"):
+    table.insert([b"\xff\xfe"], np.ones(1, np.float32))
+  table.insert([b"caf\xc3\xa9"], np.full(1, 2.0, np.float32))  # UTF-8 bytes are text
+  keys, _ = table.export()
+  assert keys.tolist() == ["a", "café"] and "café" in repr(table)
+  # Rows that encode no string (written as words, bypassing the text) are refused at restore.
+  rows = np.array(jr.keys.encode_strings(["xy"], 8))
+  rows[0, 0] = 0xFFFE0000
+  table.insert(rows, np.ones(1, np.float32))
+  root = jr.AutoTrackable()
+  root.table = table
+  path = jr.Checkpoint(model=root).save(tmp_path / "ckpt")
+  fresh = jr.AutoTrackable()
+  fresh.table = jr.MutableHashTable(str, np.float32, default_value=0.0)
+  fresh.table.insert(["kept"], np.ones(1, np.float32))
+  with pytest.raises(ValueError, match="encodes no UTF-8 string"):
+    jr.Checkpoint(model=fresh).restore(path)
+  assert fresh.table.export()[0].tolist() == ["kept"]

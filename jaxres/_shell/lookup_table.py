@@ -142,14 +142,20 @@ class LookupTable(Resource):
   # -------------------------------------------------------- checkpoints
 
   def _serialize_to_arrays(self) -> dict[str, np.ndarray]:
-    return table_arrays.to_arrays(self.state)  # live entries only (not the lost-in-jit report)
+    # Under the lock: a writer's insert donates the state it replaces. The entries are copied to the
+    # host here, so the snapshot is one state the table had. Live entries only (not the lost-in-jit report).
+    with self._life().lock:
+      return table_arrays.to_arrays(self.state)
 
   def _serialize_changes_to_arrays(self, since):
     """A delta of the state since ``since``, unless the state was rebuilt since (the lifecycle's
     ``epoch``, kept out of the attributes that NNX compares)."""
     epoch, since = since if since is not None else (None, None)
-    current = self._life().epoch
-    mark, delta = table_arrays.changes(self.state, since if epoch is current else None)
+    # One state, not donated meanwhile (see _serialize_to_arrays). Saved whole (delta None), the
+    # entries are read after this mark, from a state as new or newer: changes since are then saved again.
+    with self._life().lock:
+      current = self._life().epoch
+      mark, delta = table_arrays.changes(self.state, since if epoch is current else None)
     return (None if mark is None else (current, mark)), delta
 
   def _restore_from_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:

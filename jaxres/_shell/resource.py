@@ -158,8 +158,10 @@ class Resource(Trackable, nnx.Module):
   _checkpoint_kind = "resource"
 
   def _serialize_to_arrays(self) -> dict[str, Any]:
-    state = self.state
-    return dict(zip(leaf_names(state, "state"), jax.tree.leaves(state)))
+    # Copies taken under the lock: a writer's update may donate the state it replaces.
+    with self._life().lock:
+      state = self.state
+      return dict(zip(leaf_names(state, "state"), (jnp.copy(x) for x in jax.tree.leaves(state))))
 
   def _restore_from_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
     """Makes the saved leaves the state, every one checked before the state changes."""

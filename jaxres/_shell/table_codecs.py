@@ -51,14 +51,17 @@ class _StringRows:
   width: int
 
   def fit(self, rows: np.ndarray, name: str) -> np.ndarray:
-    """Checkpointed rows, re-encoded if they were written for another maximum length.
+    """Checkpointed rows, each checked to encode a UTF-8 string, re-encoded if they were written for
+    another maximum length.
 
     Raises:
-      ValueError: a string is longer than this table's maximum length.
+      ValueError: naming ``name``: a row encodes no UTF-8 string, or a string
+        is longer than this table's maximum length.
     """
-    if not self.is_string or rows.dtype != np.uint32 or rows.ndim != 2 or rows.shape[1] == self.width:
+    if not self.is_string or rows.dtype != np.uint32 or rows.ndim != 2:
       return rows
-    return strings.encode(strings.decode(rows), self.max_length, name=name)
+    text = strings.decode(rows, name)
+    return rows if rows.shape[1] == self.width else strings.encode(text, self.max_length, name=name)
 
   def _rows(self, x, name: str):
     """Strings (on the host), or encoded rows (``uint32[..., width]``, also inside ``jit``), as rows

@@ -29,7 +29,8 @@ def encode(strings, max_length: int, name: str = "keys") -> np.ndarray:
 
   Raises:
     TypeError: an element is not a ``str`` or ``bytes``.
-    ValueError: an element is longer than ``max_length`` UTF-8 bytes.
+    ValueError: an element is longer than ``max_length`` UTF-8 bytes, or
+      ``bytes`` that are not UTF-8.
   """
   items = np.asarray(strings, dtype=object)
   width = string_width(max_length)
@@ -40,6 +41,13 @@ def encode(strings, max_length: int, name: str = "keys") -> np.ndarray:
       data = item.encode("utf-8")
     elif isinstance(item, bytes):
       data = item
+      try:
+        data.decode("utf-8")
+      except UnicodeDecodeError as err:
+        raise ValueError(
+          f"{name}: {item[:40]!r} is not UTF-8 text ({err.reason} at byte {err.start}); string tables "
+          "hold text: decode the bytes, or store them in an integer table."
+        ) from None
     else:
       raise TypeError(f"{name}: expected strings, got {type(item).__name__} {item!r}.")
     if len(data) > max_length:
@@ -54,12 +62,22 @@ def encode(strings, max_length: int, name: str = "keys") -> np.ndarray:
   return out.reshape((*items.shape, width))
 
 
-def decode(words) -> np.ndarray:
-  """uint32[..., width] -> NumPy array of ``str`` with the leading shape."""
+def decode(words, name: str = "keys") -> np.ndarray:
+  """uint32[..., width] -> NumPy array of ``str`` with the leading shape.
+
+  Raises:
+    ValueError: naming ``name``: a row that encodes no string (a length past
+      its width, or bytes that are not UTF-8).
+  """
   words = np.asarray(words, dtype=np.uint32)
   flat = words.reshape(-1, words.shape[-1])
   data = flat[:, :-1].astype(">u4").view(np.uint8).reshape(flat.shape[0], 4 * (flat.shape[1] - 1))
   out = np.empty(flat.shape[0], dtype=object)
   for i, (row, length) in enumerate(zip(data, flat[:, -1])):
-    out[i] = row[: int(length)].tobytes().decode("utf-8")
+    try:
+      if length > len(row):
+        raise ValueError(f"a length of {int(length)} bytes in rows of {len(row)}")
+      out[i] = row[: int(length)].tobytes().decode("utf-8")
+    except ValueError as err:  # UnicodeDecodeError too
+      raise ValueError(f"{name}: row {i} encodes no UTF-8 string ({err}): corrupted.") from None
   return out.reshape(words.shape[:-1])
