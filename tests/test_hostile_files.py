@@ -354,3 +354,25 @@ def test_string_keys_are_utf8_on_the_way_in_and_in_checkpoints(tmp_path):
   with pytest.raises(ValueError, match="encodes no UTF-8 string"):
     jr.Checkpoint(model=fresh).restore(path)
   assert fresh.table.export()[0].tolist() == ["kept"]
+
+
+@pytest.mark.parametrize(
+  ("edit", "match"),
+  [
+    (lambda spec: spec.update(dtype="ant32"), "dtype 'ant32'"),
+    (lambda spec: spec.pop("dtype"), "dtype None"),
+    (lambda spec: spec.update(shape=[2**62, -1]), "shape"),
+    (lambda spec: spec.update(crc32="x"), "checksum"),
+  ],
+  ids=["unknown_dtype", "no_dtype", "bad_shape", "bad_checksum"],
+)
+def test_malformed_array_descriptions_are_named(tmp_path, edit, match):
+  root = jr.AutoTrackable()
+  root.x = np.arange(3.0)
+  path = jr.Checkpoint(model=root).save(tmp_path / "ckpt")
+  reseal(tmp_path / "ckpt" / "manifest" / "metadata", lambda d: [edit(s) for s in d["arrays"].values()])
+  fresh = jr.AutoTrackable()
+  fresh.x = np.zeros(3)
+  with pytest.raises(ValueError, match=f"corrupted manifest \\(array e0: {match}"):
+    jr.Checkpoint(model=fresh).restore(path)
+  assert fresh.x.tolist() == [0.0, 0.0, 0.0]

@@ -89,6 +89,27 @@ def _lineage_problem(manifest: dict) -> str | None:
   return None
 
 
+def _spec_problem(spec: Any) -> str | None:
+  """What is malformed in an array's description (shape, dtype, checksums), before anything is read
+  or allocated by it."""
+  if not isinstance(spec, dict):
+    return "not described by an object"
+  shape, dtype, crc32 = spec.get("shape"), spec.get("dtype"), spec.get("crc32")
+  if not isinstance(shape, list) or not all(_is_step(n) for n in shape):
+    return f"shape {shape!r} is not a list of sizes"
+  try:
+    kind = np.dtype(dtype) if isinstance(dtype, str) else None
+  except TypeError:
+    kind = None
+  if kind is None or kind.hasobject or kind.kind not in "biufcV":
+    return f"dtype {dtype!r} is not a dtype of numbers"
+  rows = shape[0] if shape else None
+  per_row = isinstance(crc32, list) and len(crc32) == rows and all(isinstance(c, int) for c in crc32)
+  if crc32 is not None and not (isinstance(crc32, int) or per_row):
+    return f"checksum {str(crc32)[:40]} is neither a CRC-32 nor one per row"
+  return None
+
+
 def _is_step(value: Any) -> bool:
   return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -96,6 +117,9 @@ def _is_step(value: Any) -> bool:
 def _graph_problem(nodes: Any, specs: Any) -> str | None:
   if not isinstance(nodes, dict) or "" not in nodes or not isinstance(specs, dict):
     return "no object graph"
+  for key, spec in specs.items():
+    if problem := _spec_problem(spec):
+      return f"array {key}: {problem}"
   for path, node in nodes.items():
     if not isinstance(node, dict):
       return f"node {path!r} is not an object"
