@@ -12,6 +12,8 @@ hold without the checksum.
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 
 import jax
@@ -376,3 +378,45 @@ def test_malformed_array_descriptions_are_named(tmp_path, edit, match):
   with pytest.raises(ValueError, match=f"corrupted manifest \\(array e0: {match}"):
     jr.Checkpoint(model=fresh).restore(path)
   assert fresh.x.tolist() == [0.0, 0.0, 0.0]
+
+
+_OTHER_WRITER = """
+import sys, numpy as np, jaxres as jr
+root = jr.AutoTrackable()
+root.x = np.arange(3)
+manager = jr.CheckpointManager(sys.argv[1], jr.Checkpoint(model=root))
+manager.save(100)
+manager.wait_until_finished()
+print("saved", flush=True)
+sys.stdin.readline()  # holds the directory until told to go
+manager.close()
+"""
+
+
+def test_one_writer_per_manager_directory(tmp_path):
+  root = jr.AutoTrackable()
+  root.x = np.arange(3)
+  other = subprocess.Popen(
+    [sys.executable, "-c", _OTHER_WRITER, str(tmp_path)],
+    stdin=subprocess.PIPE,
+    stdout=subprocess.PIPE,
+    text=True,
+  )
+  try:
+    assert other.stdout.readline().strip() == "saved"
+    manager = jr.CheckpointManager(tmp_path, jr.Checkpoint(model=root))
+    assert manager.all_steps() == [100]  # reading takes nothing
+    with pytest.raises(ValueError, match="another CheckpointManager"):
+      manager.save(101)
+    assert manager.all_steps() == [100]
+  finally:
+    other.communicate("go\n")
+  manager.save(101)  # the other one closed
+  # In one process, a newer manager takes over (a restarted trainer); the older one may not save.
+  newer = jr.CheckpointManager(tmp_path, jr.Checkpoint(model=root))
+  newer.save(102)
+  with pytest.raises(ValueError, match="a newer CheckpointManager"):
+    manager.save(103)
+  newer.close()
+  manager.close()
+  assert jr.CheckpointManager(tmp_path, jr.Checkpoint(model=root)).all_steps() == [100, 101, 102]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 
 from jaxres._errors import check_int
-from jaxres._tracking import increments, manifest, orbax_io, restoring, saving
+from jaxres._persistence import processes
+from jaxres._tracking import increments, manifest, orbax_io, ownership, restoring, saving
 from jaxres._tracking.checkpoint import Checkpoint
 from jaxres._tracking.orbax_io import StepStore, absolute_path
 from jaxres._tracking.status import LoadStatus
@@ -19,6 +20,10 @@ class CheckpointManager:
   moment, even by SIGKILL, never becomes the latest step) and pruned to the
   ``max_to_keep`` newest steps. With several processes (``jax.distributed``)
   every process calls each method together, as for :class:`Checkpoint`.
+  One manager writes to a directory at a time: the first save takes it over
+  until :meth:`close` (or the process ends), and a manager of another
+  process that saves there meanwhile is refused; a manager that only reads
+  (``restore``, ``all_steps``) takes nothing and deletes nothing.
 
   **Incremental saves** (``incremental=True``): the first save, every
   ``full_every``-th one and ``save(step, full=True)`` write everything; the
@@ -114,6 +119,7 @@ class CheckpointManager:
     self._saves_since_full = 0
     self._needs: dict[int, list[int]] = {}
     self._saved = False  # pruning follows this manager's own saves: reading never deletes
+    self._owner = ownership.Owner(self.directory)  # one writer per directory, claimed at the first save
 
   def save(self, step: int, full: bool | None = None) -> None:
     """Saves the checkpoint's objects as ``step`` (returns once the arrays are copied).
@@ -125,13 +131,17 @@ class CheckpointManager:
 
     Raises:
       TypeError: ``step`` is not an int, or an object cannot be checkpointed.
-      ValueError: ``step`` is negative, already saved, or below the latest step.
+      ValueError: ``step`` is negative, already saved, or below the latest step;
+        or a manager of another process saves to this directory (one writer per
+        directory, until it closes; a newer manager of this process takes over).
       OSError: the step before failed to be written (nothing of it was kept);
         the next save is whole.
     """
     step = check_int(step, "step", low=0)
     if full is not None and not isinstance(full, bool):
       raise TypeError(f"full: expected a bool or None, got {full!r}.")
+    if processes.is_primary():  # the process that commits the steps
+      self._owner.claim()
     self._settle()
     steps = self._store.all_steps()
     if step in steps:
@@ -209,6 +219,7 @@ class CheckpointManager:
       self._settle()
     finally:
       self._store.close()
+      self._owner.release()
 
   def _settle(self) -> None:
     """Waits for the pending save; then, once this manager has saved, removes the steps that are
