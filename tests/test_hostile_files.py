@@ -9,6 +9,7 @@ test stands for an attacker, who can recompute it: the cross-checks must
 hold without the checksum.
 """
 
+import gc
 import json
 import os
 import shutil
@@ -420,3 +421,27 @@ def test_one_writer_per_manager_directory(tmp_path):
   newer.close()
   manager.close()
   assert jr.CheckpointManager(tmp_path, jr.Checkpoint(model=root)).all_steps() == [100, 101, 102]
+
+
+def _resident_bytes() -> int:
+  with open("/proc/self/status") as f:
+    return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+
+def test_restores_that_wait_do_not_pile_up(tmp_path):
+  """40 restores of a checkpoint whose 4 MB entry nothing attaches: each newer restore supersedes the
+  one before (it holds everything that one would give), so the arrays kept stay those of one."""
+  saved = jr.AutoTrackable()
+  saved.big = np.arange(1 << 19, dtype=np.float64)  # 4 MB
+  path = jr.Checkpoint(model=saved).save(tmp_path / "ckpt")
+  root = jr.AutoTrackable()
+  checkpoint = jr.Checkpoint(model=root)
+  statuses = [checkpoint.restore(path) for _ in range(5)]
+  gc.collect()
+  after_5 = _resident_bytes()
+  statuses += [checkpoint.restore(path) for _ in range(35)]
+  gc.collect()
+  assert _resident_bytes() - after_5 < 40 << 20  # not 35 x 4 MB
+  assert statuses[0].pending == [] and statuses[-1].pending == ["model/big"]
+  root.big = np.zeros(1 << 19)  # attached: the newest restore fills it
+  assert np.array_equal(root.big, saved.big)

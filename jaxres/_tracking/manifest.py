@@ -153,6 +153,20 @@ class Reader:
   def node(self, path: str) -> dict:
     return self.nodes[self.canonical(path)]
 
+  def outline(self, path: str) -> frozenset[tuple[str, tuple[str, ...]]]:
+    """What the checkpoint holds at and below ``path``: each object's path relative to it, with the
+    names of its arrays (a restore whose outline holds another's gives everything that one would)."""
+    out, seen, stack = set(), set(), [("", path)]
+    while stack:
+      relative, node_path = stack.pop()
+      canonical = self.canonical(node_path)
+      node = self.nodes[canonical]
+      out.add((relative, tuple(sorted(node["arrays"]))))
+      if canonical not in seen:
+        seen.add(canonical)
+        stack += [(paths.join(relative, c), paths.join(canonical, c)) for c in node["children"]]
+    return frozenset(out)
+
   def arrays(self, path: str, parts: bool = False) -> dict[str, np.ndarray | Blocks]:
     """The arrays of the object saved at ``path``, by name.
 

@@ -297,8 +297,22 @@ class DeferredQueue:
     self._lock = threading.Lock()
 
   def add(self, restore: Restore, path: str, node_path: str) -> None:
+    """Queues ``restore`` for ``path``. An older restore waiting for the same path whose checkpoint
+    holds nothing there that this one lacks is superseded: it would add nothing on attach, so it
+    stops waiting and lets its arrays go (restores that wait do not pile up)."""
     with self._lock:
-      self._waiting.append((restore, path, node_path))
+      outline = restore.reader.outline(node_path)
+      older = _UNDER_WAY.newest_first([r for r, _, _ in self._waiting] + [restore])
+      superseded = [
+        (r, p)
+        for r, p, n in self._waiting
+        if p == path and older.index(r) > older.index(restore) and r.reader.outline(n) <= outline
+      ]
+      self._waiting = [e for e in self._waiting if e[:2] not in superseded] + [(restore, path, node_path)]
+    for r, p in superseded:
+      r.ledger.pending.discard(p)
+      r.waiting.pop(p, None)
+      r.settle()
 
   def attach(self, value: Any, place: Callable[[Any], None]) -> bool:
     """Restores ``value`` and calls ``place`` with what to attach, as the last step; True when done.
