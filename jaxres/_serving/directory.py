@@ -75,7 +75,10 @@ def write(
 
 
 def _save(file: Path, array: np.ndarray) -> dict:
-  np.save(file, array, allow_pickle=False)
+  try:
+    np.save(file, array, allow_pickle=False)
+  except OSError as err:  # a full disk: NumPy's message names no file
+    raise OSError(f"{file}: could not be written ({err}); nothing was replaced.") from err
   return {"dtype": array.dtype.name, "shape": list(array.shape), "crc32": zlib.crc32(array.tobytes())}
 
 
