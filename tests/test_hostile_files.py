@@ -430,7 +430,8 @@ def _resident_bytes() -> int:
 
 def test_restores_that_wait_do_not_pile_up(tmp_path):
   """40 restores of a checkpoint whose 4 MB entry nothing attaches: each newer restore supersedes the
-  one before (it holds everything that one would give), so the arrays kept stay those of one."""
+  one before (it holds everything that one would give), so the arrays kept stay those of one; the
+  older statuses stay pending until the attach, which matches them all."""
   saved = jr.AutoTrackable()
   saved.big = np.arange(1 << 19, dtype=np.float64)  # 4 MB
   path = jr.Checkpoint(model=saved).save(tmp_path / "ckpt")
@@ -442,9 +443,12 @@ def test_restores_that_wait_do_not_pile_up(tmp_path):
   statuses += [checkpoint.restore(path) for _ in range(35)]
   gc.collect()
   assert _resident_bytes() - after_5 < 40 << 20  # not 35 x 4 MB
-  assert statuses[0].pending == [] and statuses[-1].pending == ["model/big"]
-  root.big = np.zeros(1 << 19)  # attached: the newest restore fills it
+  assert statuses[0].pending == statuses[-1].pending == ["model/big"]
+  root.big = np.zeros(1 << 19)  # attached: the newest restore fills it, and every status follows
   assert np.array_equal(root.big, saved.big)
+  assert statuses[0].pending == statuses[-1].pending == []
+  statuses[0].assert_consumed()
+  statuses[-1].assert_consumed()
 
 
 def test_fault_catalogue_of_checkpoints_steps_and_exports():

@@ -22,6 +22,7 @@ from multiprocess_table import KEYS, VALUE, changed, empty_table, table_at
 from oracle import entries, mesh_of
 
 import jaxres as jr
+from jaxres._persistence import files
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -259,10 +260,12 @@ def test_two_processes_save_together_and_restore_onto_other_meshes(tmp_path):
   assert int(later.table.clock) == clock
 
   # A shard whose bytes differ from its checksum: a ValueError naming the checkpoint, nothing changed.
+  # (The manifest is sealed anew: its own checksum would catch the edit first.)
   manifest = json.loads((tmp_path / "ckpt" / "manifest" / "metadata").read_text())
+  manifest.pop(files.SEAL)
   key = manifest["nodes"]["model/table"]["arrays"]["blocks/keys"]
   manifest["arrays"][key]["crc32"][5] ^= 1
-  (tmp_path / "ckpt" / "manifest" / "metadata").write_text(json.dumps(manifest))
+  (tmp_path / "ckpt" / "manifest" / "metadata").write_text(json.dumps(files.sealed(manifest)))
   before = entries(later.table)
   with pytest.raises(ValueError, match=f"{tmp_path / 'ckpt'}: array {key} is corrupted"):
     jr.Checkpoint(model=later).restore(tmp_path / "ckpt")

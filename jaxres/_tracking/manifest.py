@@ -153,19 +153,25 @@ class Reader:
   def node(self, path: str) -> dict:
     return self.nodes[self.canonical(path)]
 
-  def outline(self, path: str) -> frozenset[tuple[str, tuple[str, ...]]]:
-    """What the checkpoint holds at and below ``path``: each object's path relative to it, with the
-    names of its arrays (a restore whose outline holds another's gives everything that one would)."""
-    out, seen, stack = set(), set(), [("", path)]
+  def below(self, path: str) -> list[tuple[str, str]]:
+    """``(relative, canonical)`` of the object at ``path`` and each below it: its path relative to
+    ``path``, and the path it was saved under."""
+    out, seen, stack = [], set(), [("", path)]
     while stack:
       relative, node_path = stack.pop()
       canonical = self.canonical(node_path)
-      node = self.nodes[canonical]
-      out.add((relative, tuple(sorted(node["arrays"]))))
+      out.append((relative, canonical))
       if canonical not in seen:
         seen.add(canonical)
-        stack += [(paths.join(relative, c), paths.join(canonical, c)) for c in node["children"]]
-    return frozenset(out)
+        stack += [
+          (paths.join(relative, c), paths.join(canonical, c)) for c in self.nodes[canonical]["children"]
+        ]
+    return out
+
+  def outline(self, path: str) -> frozenset[tuple[str, tuple[str, ...]]]:
+    """What the checkpoint holds at and below ``path``: each object's path relative to it, with the
+    names of its arrays (a restore whose outline holds another's gives everything that one would)."""
+    return frozenset((relative, tuple(sorted(self.nodes[c]["arrays"]))) for relative, c in self.below(path))
 
   def arrays(self, path: str, parts: bool = False) -> dict[str, np.ndarray | Blocks]:
     """The arrays of the object saved at ``path``, by name.

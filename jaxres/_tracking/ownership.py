@@ -1,7 +1,7 @@
 """One writer per checkpoint directory: the manager that saves there owns it until it closes.
 
 A :class:`CheckpointManager` takes the directory's ownership at its first save:
-an exclusive ``flock`` on ``<directory>/.jaxres-writer.lock``, held until
+an exclusive ``flock`` on the directory itself (no file is added to it), held until
 :meth:`Owner.release` (the manager's ``close``) or the end of the process
 (the kernel drops the lock of a process that dies, so a killed trainer leaves
 no stale lock). A manager in another process that tries to save there is
@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import fcntl
 import os
-import socket
 import threading
 import weakref
-
-LOCK_FILE = ".jaxres-writer.lock"
 
 _held: dict[str, tuple[int, weakref.ref]] = {}  # directory -> (locked fd, the owner holding it)
 _guard = threading.Lock()
@@ -58,19 +55,15 @@ class Owner:
         self._fd = fd
         return
       os.makedirs(self.directory, exist_ok=True)
-      path = os.path.join(self.directory, LOCK_FILE)
-      fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+      fd = os.open(self.directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
       try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
       except OSError:
-        holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
         os.close(fd)
         raise ValueError(
-          f"directory: {self.directory} is being saved to by another CheckpointManager ({holder}); "
-          "one writer per directory: wait for it to close, or save elsewhere."
+          f"directory: {self.directory} is being saved to by another CheckpointManager, of another "
+          "process; one writer per directory: wait for it to close, or save elsewhere."
         ) from None
-      os.ftruncate(fd, 0)
-      os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}".encode(), 0)
       _held[self.directory] = (fd, weakref.ref(self))
       self._fd = fd
 

@@ -294,25 +294,33 @@ class DeferredQueue:
   def __init__(self, owner: Callable[[], Any], relative: str):
     self._owner, self._relative = owner, relative
     self._waiting: list[tuple[Restore, str, str]] = []  # restore, program path, checkpoint path
+    self._superseded: list[tuple[Restore, str, str]] = []  # the same, of restores a newer one stands for
     self._lock = threading.Lock()
 
   def add(self, restore: Restore, path: str, node_path: str) -> None:
-    """Queues ``restore`` for ``path``. An older restore waiting for the same path whose checkpoint
-    holds nothing there that this one lacks is superseded: it would add nothing on attach, so it
-    stops waiting and lets its arrays go (restores that wait do not pile up)."""
+    """Queues ``restore`` for ``path``.
+
+    An older restore waiting for the same path whose checkpoint holds nothing
+    there that this one lacks would add nothing on attach: it is superseded.
+    It lets its arrays for the path go (restores that wait do not pile up) and
+    stays pending until the attach, which then counts its values as matched
+    too (see :meth:`attach`).
+    """
     with self._lock:
       outline = restore.reader.outline(node_path)
       older = _UNDER_WAY.newest_first([r for r, _, _ in self._waiting] + [restore])
       superseded = [
-        (r, p)
-        for r, p, n in self._waiting
-        if p == path and older.index(r) > older.index(restore) and r.reader.outline(n) <= outline
+        entry
+        for entry in self._waiting
+        if entry[1] == path
+        and older.index(entry[0]) > older.index(restore)
+        and entry[0].reader.outline(entry[2]) <= outline
       ]
-      self._waiting = [e for e in self._waiting if e[:2] not in superseded] + [(restore, path, node_path)]
-    for r, p in superseded:
-      r.ledger.pending.discard(p)
-      r.waiting.pop(p, None)
-      r.settle()
+      self._waiting = [e for e in self._waiting if e not in superseded] + [(restore, path, node_path)]
+      self._superseded += superseded
+    for old, old_path, _ in superseded:
+      old.waiting.pop(old_path, None)
+      old.settle()
 
   def attach(self, value: Any, place: Callable[[Any], None]) -> bool:
     """Restores ``value`` and calls ``place`` with what to attach, as the last step; True when done.
@@ -352,8 +360,16 @@ class DeferredQueue:
       transaction.changes.append((waiting[0][1], lambda: place(attached)))
       transaction.commit()
       self._waiting = []
+      superseded, self._superseded = self._superseded, []
     for plan in plans:
       plan.finish()
+    matched = plans[0].restore.ledger.matched if plans else set()
+    for restore, path, node_path in superseded:  # what the newest restore matched, in their terms
+      for relative, canonical in restore.reader.below(node_path):
+        if paths.join(path, relative) in matched:
+          restore.ledger.matched.add(paths.join(path, relative))
+          restore.ledger.consumed.add(canonical)
+      restore.ledger.pending.discard(path)
     for restore, path in served:
       restore.ledger.pending.discard(path)
       restore.waiting.pop(path, None)
