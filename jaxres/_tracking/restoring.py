@@ -366,8 +366,9 @@ class DeferredQueue:
     matched = plans[0].restore.ledger.matched if plans else set()
     for restore, path, node_path in superseded:  # what the newest restore matched, in their terms
       for relative, canonical in restore.reader.below(node_path):
-        if paths.join(path, relative) in matched:
-          restore.ledger.matched.add(paths.join(path, relative))
+        program_path = paths.join(path, relative) if relative else path
+        if program_path in matched:
+          restore.ledger.matched.add(program_path)
           restore.ledger.consumed.add(canonical)
       restore.ledger.pending.discard(path)
     for restore, path in served:
