@@ -455,7 +455,7 @@ class ShardedTable(Table):
         block["slots"] = jnp.nonzero(shard._slots()[1], size=width, fill_value=0)[0].astype(jnp.int32)
       return block
 
-    return self._split_by_shard(jax.vmap(one)(self.shards))
+    return self._each_shard(one)
 
   @property
   def version(self) -> jax.Array:
@@ -487,12 +487,19 @@ class ShardedTable(Table):
       live, changed = shard._changed_slots(since)
       return jnp.packbits(live), jnp.sum(changed, dtype=jnp.int32)
 
-    return self._split_by_shard(jax.vmap(one)(self.shards))
+    return self._each_shard(one)
 
-  def _split_by_shard(self, tree):
-    """``tree``'s arrays (``[shards, ...]``) split over the mesh axis, each shard's row on its device."""
-    split = NamedSharding(self.mesh, PartitionSpec(self.axis))
-    return jax.tree.map(lambda x: lax.with_sharding_constraint(x, split), tree)
+  def _each_shard(self, fn):
+    """``fn(shard)`` (a pytree of arrays) of every shard, run on the shard's own device under
+    ``shard_map``: stacked ``[shards, ...]`` and split over the mesh axis, each shard's row where it
+    was made. No array crosses devices or processes (a ``vmap`` over the shards, partitioned by
+    XLA, gathered whole tables: 5.5x a table's bytes between two processes per save)."""
+    spec = PartitionSpec(self.axis)
+
+    def local(part):
+      return jax.tree.map(lambda x: x[None], fn(self._own(part)))
+
+    return jax.shard_map(local, mesh=self.mesh, in_specs=(spec,), out_specs=spec, check_vma=False)(self.parts)
 
   def _changed_entries(self, since, width: int) -> dict:
     def one(shard):
@@ -502,7 +509,7 @@ class ShardedTable(Table):
         block["scores"] = shard._scores_at(slots)
       return block
 
-    return self._split_by_shard(jax.vmap(one)(self.shards))
+    return self._each_shard(one)
 
   def place_shards(self, words, leaves, scores, slots, valid) -> ShardedTable:
     """An empty table like this one holding, in each shard, its rows of ``[shards, width, ...]`` arrays
