@@ -20,6 +20,7 @@ import threading
 import jax
 import numpy as np
 import pytest
+from test_faults import _full_disk
 from test_serving_deltas import CPU, SIGNATURES, Trainer, _answers, _same_answers
 from tower import Model
 
@@ -520,3 +521,19 @@ def test_two_thousand_incremental_saves_keep_restores_bounded(tmp_path, monkeypa
   assert manager._store.loads <= jr.CheckpointManager.FULL_EVERY
   keys, values = root.table.export()
   assert np.array_equal(keys, expected[0]) and np.array_equal(values, expected[1])
+
+
+def test_a_full_disk_while_exporting_names_the_file_and_keeps_the_export(served_pair, tmp_path):
+  """A state array that cannot be written (files limited to 64 KiB): an OSError naming the file, not
+  NumPy's "N requested and M written", and the export already at the path is left as it was."""
+  export = _copy(served_pair, tmp_path, "export")
+  obj = jr.AutoTrackable()
+  obj.scale = jax.numpy.float32(3.0)
+  obj.big = np.random.default_rng(0).random(1 << 17, np.float32)  # 512 KiB the program reads
+  uses_big = jr.saved_model.Signature(
+    lambda obj, x: obj.scale * x + obj.big[:2], x=jax.ShapeDtypeStruct((2,), np.float32)
+  )
+  with _full_disk(64 << 10), pytest.raises(OSError, match=r"state/\d+\.npy: could not be written"):
+    jr.saved_model.save(obj, export, {"twice": uses_big}, platforms=CPU)
+  assert jr.saved_model.load(export).step == 2
+  assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".export.")) == []
