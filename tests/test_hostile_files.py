@@ -537,3 +537,26 @@ def test_a_full_disk_while_exporting_names_the_file_and_keeps_the_export(served_
     jr.saved_model.save(obj, export, {"twice": uses_big}, platforms=CPU)
   assert jr.saved_model.load(export).step == 2
   assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".export.")) == []
+
+
+def test_crafted_checkpoint_shapes_allocate_nothing(tmp_path):
+  """A manifest (sealed anew) claiming 8 TiB for an array: refused against what the checkpoint
+  stored before anything is allocated, for a checkpoint and a manager's step."""
+  root = jr.AutoTrackable()
+  root.x = np.arange(3.0)
+  path = jr.Checkpoint(model=root).save(tmp_path / "ckpt")
+  manager = jr.CheckpointManager(tmp_path / "steps", jr.Checkpoint(model=root))
+  manager.save(0)
+  manager.close()
+  for metadata in (
+    tmp_path / "ckpt" / "manifest" / "metadata",
+    tmp_path / "steps" / "0" / "manifest" / "metadata",
+  ):
+    reseal(metadata, lambda d: [s.update(shape=[2**40]) for s in d["arrays"].values()])
+  fresh = jr.AutoTrackable()
+  fresh.x = np.zeros(3)
+  with pytest.raises(ValueError, match=r"array e0 is described as float64\[1099511627776\] but stored as"):
+    jr.Checkpoint(model=fresh).restore(path)
+  with pytest.raises(ValueError, match=r"described as float64\[1099511627776\] but stored as"):
+    jr.CheckpointManager(tmp_path / "steps", jr.Checkpoint(model=fresh)).restore(0)
+  assert fresh.x.tolist() == [0.0, 0.0, 0.0]

@@ -118,7 +118,7 @@ def load_arrays(directory: str, specs: dict[str, dict]) -> dict[str, np.ndarray 
     ValueError: an array is missing, or its shape, dtype or checksum differs from ``specs``.
   """
   restored = {}
-  if targets := _targets(specs):
+  if targets := _targets(specs, os.path.join(os.path.abspath(directory), ARRAYS_DIR), directory):
     checkpointer = ocp.StandardCheckpointer()
     try:
       restored = checkpointer.restore(os.path.join(os.path.abspath(directory), ARRAYS_DIR), targets)
@@ -131,19 +131,47 @@ def load_arrays(directory: str, specs: dict[str, dict]) -> dict[str, np.ndarray 
   return _fill(directory, specs, restored)
 
 
-def _targets(specs: dict[str, dict]) -> dict:
-  """What Orbax reads each stored array into: NumPy, or this process's rows of a row-split one."""
+def _targets(specs: dict[str, dict], stored: str, label: str) -> dict:
+  """What Orbax reads each stored array into: NumPy, or this process's rows of a row-split one.
+
+  Each array's shape and dtype are first checked against what Orbax recorded of the arrays it
+  stored in ``stored`` (a manifest's claim allocates nothing the checkpoint does not hold).
+
+  Raises:
+    ValueError: naming ``label`` and the array: described otherwise than stored, or not stored.
+  """
+  wanted = {
+    key: spec for key, spec in specs.items() if np.prod(spec["shape"], dtype=object) and "step" not in spec
+  }  # not empty, nor stored in another step
+  if not wanted:
+    return {}
+  recorded = _stored_arrays(stored, label)
   targets = {}
-  for key, spec in specs.items():
+  for key, spec in wanted.items():
     shape, dtype = tuple(spec["shape"]), np.dtype(spec["dtype"])
-    if not np.prod(shape, dtype=np.int64) or "step" in spec:  # empty, or stored in another step
-      continue
+    if key not in recorded or recorded[key] != (shape, dtype):
+      found = "not stored" if key not in recorded else f"stored as {recorded[key][1]}{list(recorded[key][0])}"
+      raise ValueError(f"{label}: array {key} is described as {dtype}{list(shape)} but {found} (corrupted).")
     split = isinstance(spec.get("crc32"), list) and jax.process_count() > 1
     if split and jax.dtypes.canonicalize_dtype(dtype) == dtype:
       targets[key] = jax.ShapeDtypeStruct(shape, dtype, sharding=processes.reading_sharding(shape[0]))
     else:
       targets[key] = np.empty(shape, dtype)
   return targets
+
+
+def _stored_arrays(stored: str, label: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+  """``{key: (shape, dtype)}`` of the arrays Orbax recorded in the item directory ``stored``."""
+  handler = ocp.StandardCheckpointHandler()  # the item's own metadata (no step metadata to look for)
+  try:
+    tree = handler.metadata(Path(stored))
+    return {key: (tuple(m.shape), np.dtype(m.dtype)) for key, m in dict(tree).items()}
+  except Exception as err:  # missing or damaged metadata
+    raise ValueError(
+      f"{label}: cannot read what the checkpoint's arrays are ({type(err).__name__}: {err})."
+    ) from err
+  finally:
+    handler.close()
 
 
 def _fill(label: str, specs: dict[str, dict], restored: dict) -> dict[str, np.ndarray | Blocks]:
@@ -210,7 +238,7 @@ class StepStore:
     manifest = check_manifest(manifest, label)
     specs = manifest["arrays"]
     restored = {}
-    if targets := _targets(specs):
+    if targets := _targets(specs, os.path.join(label, ARRAYS_DIR), label):
       try:
         args = ocp.args.Composite(arrays=ocp.args.StandardRestore(targets))
         restored = self._manager.restore(step, args=args)["arrays"]
