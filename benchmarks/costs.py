@@ -15,6 +15,9 @@ Every figure is the median of ``--runs`` separate processes (each the median
 of its timed repeats), with the range of the runs; the report states each
 goal and whether this run met it. The compiled programs themselves are
 checked for capacity-sized work by ``tests/test_costs.py``.
+
+``--xla``: the XLA path (what GPUs and TPUs run) on CPU against the kernels
+(:mod:`benchmarks.xla_path`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import numpy as np
 
 import jaxres as jr
 from benchmarks import run as tables_run
+from benchmarks import xla_path
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH, EAGER_BATCH, CALLS = 4096, 512, 40
@@ -313,7 +317,16 @@ def main(argv=None) -> None:
   parser.add_argument("--runs", type=int, default=3)
   parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "costs.md")
   parser.add_argument("--once-to", type=Path, help=argparse.SUPPRESS)
+  parser.add_argument(
+    "--xla", action="store_true", help="the XLA path against the kernels instead (results/xla-path.md)"
+  )
+  parser.add_argument(
+    "--before", type=Path, help="with --xla: a checkout of earlier code, measured in the same run first"
+  )
   args = parser.parse_args(argv)
+  if args.xla:
+    xla_path.main(args.scale, args.runs, args.before)
+    return
   if args.once_to is not None:
     args.once_to.write_text(json.dumps(measure_once(args.scale)))
     return

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxres._core import constants
+from jaxres._core import constants, ordering
 from jaxres._core.encoding.hashing import hash_words
 from jaxres._core.kernels import grouping
 from jaxres._core.table import Table
@@ -153,7 +153,8 @@ def _step_rows(spec: Spec, table: Table, step, rows, total) -> Table:
     sums = jnp.take(total, start + jnp.arange(chunk), axis=0, mode="clip")  # past N: rows of -1
     values = table.read_rows(taken)
     new_rows, slots = spec.optimizer.update(sums, values["row"], values["slots"], step)
-    table = table.write_rows(taken, {"row": new_rows, "slots": tuple(slots)}, valid=taken >= 0)
+    valid = ordering.after(taken >= 0, *jax.tree.leaves(values))  # rows read before written: in place
+    table = table.write_rows(taken, {"row": new_rows, "slots": tuple(slots)}, valid=valid)
     return start + chunk, table
 
   _, table = jax.lax.while_loop(lambda carry: carry[0] < count, take_step, (jnp.int32(0), table))

@@ -62,6 +62,11 @@ def references():
     jax.clear_caches()
 
 
+def kernels_traced() -> bool:
+  """Whether a program traced here (on CPU) calls the kernels: built, enabled and not within :func:`references`."""
+  return ENABLED and not getattr(_TRACING, "references", False)
+
+
 def on_cpu(target: str, reference: Callable, results, *args, aliases=None, **attrs) -> tuple:
   """``reference(*args)`` (a tuple of arrays), computed by the kernel ``target`` on CPU.
 
@@ -73,7 +78,7 @@ def on_cpu(target: str, reference: Callable, results, *args, aliases=None, **att
   with a CPU lowering rule, the kernel, and a default one, the reference): a
   program lowered for the CPU alone never traces the reference.
   """
-  if not ENABLED or getattr(_TRACING, "references", False):
+  if not kernels_traced():
     return tuple(reference(*args))
   params = {
     "target": target,

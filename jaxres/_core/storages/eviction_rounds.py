@@ -51,6 +51,7 @@ from jax import lax
 from jaxres._core import constants
 from jaxres._core.encoding.hashing import hash_words
 from jaxres._core.kernels import claims, native
+from jaxres._core import ordering
 from jaxres._core.storages.buckets import Layout
 
 _NO_SCORE = np.uint32(np.iinfo(np.uint32).max)  # a free slot's score (storage.NO_SCORE): never evicted
@@ -268,6 +269,7 @@ def _evict_reference(
     before = jnp.where(won & (placed_slots[by_slot[at]] == victim), by_slot[at], -1)
     victim_words = _chosen(layout.keys_of(layout.records(flat, victim // size)), victim % size)
     victim_row = layout.row_of(flat, victim)
+    won = ordering.after(won, victim_words, victim_row)  # the writes below update flat in place
     flat = layout.unset(flat, victim, won)
     flat = layout.shift_overflow(flat, layout.home(victim_words), victim, won, -1)
     flat = layout.store(flat, slot, row_words, won)

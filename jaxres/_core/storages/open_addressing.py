@@ -38,6 +38,7 @@ from jaxres._core.kernels.row_ops import read_rows, select_rows, take_rows
 from jaxres._core.modes import Upsert
 from jaxres._core.policies import Policy, check_policy
 from jaxres._core.pytrees import pytree_dataclass, static_field
+from jaxres._core import ordering
 from jaxres._core.storages import eviction_rounds, placing
 from jaxres._core.storages.buckets import LINE_WORDS, Layout
 from jaxres._core.storages.storage import NO_SCORE, Storage, empty_fields
@@ -317,6 +318,8 @@ class OpenAddressingTable(Storage):
     table, evicted = table._evicted(
       claim.victims, take_rows(leaves, claim.victims.offered) if claim.victims else None
     )
+    if evicted is not None:  # the victims' values are read before their rows are written
+      claim = claim._replace(placed=ordering.after(claim.placed, *evicted[1]))
     table, out = table._write_values(words, leaves, claim, mode)
     return table, out, evicted
 
@@ -424,7 +427,7 @@ class OpenAddressingTable(Storage):
       scored.slot_scores,
       scored.bucket_floors,
       words,
-      to_evict & heads,
+      ordering.after(to_evict & heads, row),  # the rows placed keys took, read before evicting writes
       score,
       protect,
       self.eviction_window,
