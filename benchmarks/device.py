@@ -1,4 +1,4 @@
-"""``python -m benchmarks.device``: one command for an accelerator (GPU or TPU), or the CPU when none is there.
+"""``python -m benchmarks.device``: one command for an accelerator (GPU, TPU), or the CPU where none is.
 
 1. **Checks** on the default device, against NumPy (a ``dict`` of the
    entries): ``find``, ``insert``, ``find_or_insert``, ``remove`` and the
@@ -132,7 +132,7 @@ def check_embedding() -> list[str]:
   emb.apply_gradients(ids, grads)
   summed = {k: grads[ids == k].sum(axis=0) for k in np.unique(ids)}
   expected = np.stack([before[i] - 0.5 * summed[k] for i, k in enumerate(ids)])
-  _same("embedding step", emb.lookup(ids), expected)
+  _same("embedding step", emb(ids), expected)
   return ["embedding step"]
 
 
@@ -178,7 +178,9 @@ def evicting(entries: int, batch: int, calls: int) -> float:
   import jaxres as jr
 
   rng = np.random.default_rng(1)
-  table = jr.OpenAddressingTable.create(entries, key=jnp.int64, value=jax.ShapeDtypeStruct((8,), jnp.float32), eviction=jr.LRU())
+  table = jr.OpenAddressingTable.create(
+    entries, key=jnp.int64, value=jax.ShapeDtypeStruct((8,), jnp.float32), eviction=jr.LRU()
+  )
   rows = jnp.ones((batch, 8), jnp.float32)
   step = jax.jit(lambda t, k: t.find_or_insert(k, rows), donate_argnums=0)
   for _ in range(-(-entries // batch)):
@@ -206,7 +208,7 @@ def embedding_step(rows: int, batch: int, calls: int) -> float:
 
 
 def collection_step(rows: int, batch: int, calls: int) -> float:
-  """Milliseconds per step of the 26-feature model of :mod:`benchmarks.model_peers` (tables up to ``rows``)."""
+  """Milliseconds per step of :mod:`benchmarks.model_peers`'s 26-feature model (tables up to ``rows``)."""
   from benchmarks import model_peers
 
   sizes = model_peers.Sizes(batch=batch, rows=rows)
@@ -230,13 +232,34 @@ def run(scale: float, calls: int) -> str:
     for load in LOADS:
       for dim in DIMS:
         g = throughput(entries, load, dim, batch, calls)
-        lines.append(f"| {entries:,} | {load} | {dim} | {g['find']:.3f} | {g['insert']:.3f} | {g['find_or_insert']:.3f} |")
-  lines += ["", HKV, "", "## Evicting find_or_insert on a full LRU table (dim 8), G keys/s", "", "| entries | G keys/s |", "|---|---|"]
+        lines.append(
+          f"| {entries:,} | {load} | {dim} | "
+          + " | ".join(f"{g[name]:.3f}" for name in ("find", "insert", "find_or_insert"))
+          + " |"
+        )
+  lines += [
+    "",
+    HKV,
+    "",
+    "## Evicting find_or_insert on a full LRU table (dim 8), G keys/s",
+    "",
+    "| entries | G keys/s |",
+    "|---|---|",
+  ]
   lines += [f"| {e:,} | {evicting(e, batch, calls):.3f} |" for e in map(size, ENTRIES)]
   step_batch = max(256, int(4096 * min(1.0, scale * 64)))
-  lines += ["", f"## Training steps of {step_batch} examples, ms per step", "", "| rows | DynamicEmbedding | 26-feature collection |", "|---|---|---|"]
+  lines += [
+    "",
+    f"## Training steps of {step_batch} examples, ms per step",
+    "",
+    "| rows | DynamicEmbedding | 26-feature collection |",
+    "|---|---|---|",
+  ]
   for rows in map(size, ROWS):
-    lines.append(f"| {rows:,} | {embedding_step(rows, step_batch, calls):.2f} | {collection_step(rows, step_batch, calls):.2f} |")
+    lines.append(
+      f"| {rows:,} | {embedding_step(rows, step_batch, calls):.2f} "
+      f"| {collection_step(rows, step_batch, calls):.2f} |"
+    )
   return "\n".join(lines)
 
 

@@ -63,7 +63,7 @@ def references():
 
 
 def kernels_traced() -> bool:
-  """Whether a program traced here (on CPU) calls the kernels: built, enabled and not within :func:`references`."""
+  """Whether a program traced here calls the kernels on CPU: built, enabled, not within :func:`references`."""
   return ENABLED and not getattr(_TRACING, "references", False)
 
 

@@ -48,10 +48,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxres._core import constants
+from jaxres._core import constants, ordering
 from jaxres._core.encoding.hashing import hash_words
 from jaxres._core.kernels import claims, native
-from jaxres._core import ordering
 from jaxres._core.storages.buckets import Layout
 
 _NO_SCORE = np.uint32(np.iinfo(np.uint32).max)  # a free slot's score (storage.NO_SCORE): never evicted

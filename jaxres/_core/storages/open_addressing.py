@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxres._core import call_args, constants
+from jaxres._core import call_args, constants, ordering
 from jaxres._core.encoding import key_specs
 from jaxres._core.encoding.value_specs import ValueSpec
 from jaxres._core.kernels import claims, native
@@ -38,7 +38,6 @@ from jaxres._core.kernels.row_ops import read_rows, select_rows, take_rows
 from jaxres._core.modes import Upsert
 from jaxres._core.policies import Policy, check_policy
 from jaxres._core.pytrees import pytree_dataclass, static_field
-from jaxres._core import ordering
 from jaxres._core.storages import eviction_rounds, placing
 from jaxres._core.storages.buckets import LINE_WORDS, Layout
 from jaxres._core.storages.storage import NO_SCORE, Storage, empty_fields
