@@ -315,7 +315,7 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--scale", type=float, default=1.0, help="1.0: the sizes of the report")
   parser.add_argument("--runs", type=int, default=3)
-  parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "costs.md")
+  parser.add_argument("--out", type=Path, help="the report (results/costs.md; with --xla, xla-path.md)")
   parser.add_argument("--once-to", type=Path, help=argparse.SUPPRESS)
   parser.add_argument(
     "--xla", action="store_true", help="the XLA path against the kernels instead (results/xla-path.md)"
@@ -325,7 +325,7 @@ def main(argv=None) -> None:
   )
   args = parser.parse_args(argv)
   if args.xla:
-    xla_path.main(args.scale, args.runs, args.before)
+    xla_path.main(args.scale, args.runs, args.before, args.out or xla_path.RESULT)
     return
   if args.once_to is not None:
     args.once_to.write_text(json.dumps(measure_once(args.scale)))
@@ -334,7 +334,7 @@ def main(argv=None) -> None:
   text = report(runs)
   print(text)
   if args.scale >= 1:
-    args.out.write_text(text + "\n")
+    (args.out or ROOT / "benchmarks" / "results" / "costs.md").write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 import statistics
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULT = ROOT / "benchmarks" / "results" / "xla-path.md"
 BATCH, CALLS, WIDTH = 4096, 20, 4
 PATHS = ("kernels", "xla")
 METHODS = ("find", "insert", "find_or_insert", "evicting find_or_insert", "embedding step")
@@ -146,11 +148,13 @@ def embedding_step(capacity: int, calls: int = CALLS) -> float:
 
 
 _COUNTED = {"instructions": None, "fusions": "fusion", "loops": "while", "sorts": "sort"}
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%\S+ = .+? ([a-z][a-z\-]*)\(")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%\S+ = (.+?) ([a-z][a-z\-]*)\(")
+ANATOMY_CAPACITY = 3 << 15  # not a power of two: no size of the batch's arrays is one of the table's
 
 
-def program_counts(capacity: int = 1 << 16) -> dict:
-  """``{method: {what: count}}``: the compiled program of each table method on the path being traced."""
+def program_counts(capacity: int = ANATOMY_CAPACITY) -> dict:
+  """``{method: {what: count}}``: the compiled program of each table method on the path being traced,
+  and its copies of a capacity-sized array (whose shape has a size of one of the table's arrays)."""
   import jaxres as jr
 
   values = jnp.ones((BATCH, WIDTH), jnp.float32)
@@ -166,13 +170,21 @@ def program_counts(capacity: int = 1 << 16) -> dict:
   }
   out = {}
   for name, (fn, table) in programs.items():
+    shapes = [x.shape for x in jax.tree.leaves(table)]
+    sizes = {n for shape in shapes for i in range(len(shape)) for n in (shape[i], math.prod(shape[i:]))}
+    sizes = {n for n in sizes if n >= capacity // 2}
     text = jax.jit(fn, donate_argnums=0).lower(table, keys).compile().as_text()
-    ops = [m.group(1) for m in map(_INSTRUCTION.match, text.splitlines()) if m]
-    counts = {what: (len(ops) if op is None else ops.count(op)) for what, op in _COUNTED.items()}
+    ops = [m.groups() for m in map(_INSTRUCTION.match, text.splitlines()) if m]
+    counts = {what: sum(op == kind or kind is None for _, op in ops) for what, kind in _COUNTED.items()}
     counts["scatters"] = len(re.findall(r"\bscatter\(", text))
     counts["gathers"] = len(re.findall(r"\bgather\(", text))
+    counts["table copies"] = sum(op == "copy" and _sized(shape, sizes) for shape, op in ops)
     out[name] = counts
   return out
+
+
+def _sized(shape: str, sizes: set[int]) -> bool:
+  return any(int(d) in sizes for d in re.findall(r"\d+", shape.split("{")[0]))
 
 
 def measure_once(path: str, capacities: list[int], calls: int) -> dict:
@@ -261,7 +273,8 @@ def report(runs: dict, label: str = "") -> str:
   what = list(next(iter(programs.values())))
   lines += [
     "",
-    "## What each compiled program is made of (2^16 entries, 4096 keys): XLA path (kernels' program)",
+    f"## What each compiled program is made of ({ANATOMY_CAPACITY:,} entries, {BATCH} keys): "
+    "XLA path (kernels' program)",
     "",
     "| method | " + " | ".join(what) + " |",
     "|---|" + "---|" * len(what),
@@ -288,18 +301,19 @@ def _commit(checkout: Path) -> str:
   return done.stdout.strip() or str(checkout)
 
 
-def main(scale: float, runs: int, before: Path | None = None) -> None:
-  """Measures (``before``'s checkout first, if given), prints the report and, at full scale, writes it."""
-  parts = []
+def main(scale: float, runs: int, before: Path | None = None, out: Path = RESULT) -> None:
+  """Measures (``before``'s checkout first, if given), prints the report and, at full scale, writes it
+  to ``out``."""
+  measured = {}
   if before is not None:
-    parts.append(report(measure(scale, runs, before), f"before: {_commit(before)}"))
-  parts.append(
-    report(measure(scale, runs), f"after: {_commit(ROOT)}" if before is not None else _commit(ROOT))
-  )
+    measured[f"before: {_commit(before)}"] = measure(scale, runs, before)
+  measured[f"after: {_commit(ROOT)}" if before is not None else _commit(ROOT)] = measure(scale, runs)
+  parts = [report(runs, label) for label, runs in measured.items()]
   text = "# The XLA path on CPU against the kernels\n\n" + "\n\n".join(parts)
   print(text)
   if scale >= 1:
-    (ROOT / "benchmarks" / "results" / "xla-path.md").write_text(text + "\n")
+    out.write_text(text + "\n")
+    out.with_suffix(".json").write_text(json.dumps(measured))  # every run's figures
 
 
 if __name__ == "__main__":

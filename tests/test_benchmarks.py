@@ -54,6 +54,29 @@ def test_benchmark_harness_runs_on_tiny_sizes():
   ("module", "args", "rows"),
   [
     (
+      "device",
+      ["--scale", str(2**-12), "--calls", "1"],
+      [
+        "Checked against NumPy on the device: find, insert, find_or_insert, remove, insert_and_evict, "
+        "embedding step.",
+        "| 4,096 | 0.5 | 8 | ",
+        "| 16,384 | 0.9 | 64 | ",
+        "## Evicting find_or_insert on a full LRU table",
+        "| rows | DynamicEmbedding | 26-feature collection |",
+      ],
+    ),
+    (
+      "costs",
+      ["--xla", "--scale", "0.01", "--runs", "1"],
+      [
+        "| find | xla | ",
+        "| evicting find_or_insert | kernels | ",
+        "| embedding step | xla | ",
+        "| XLA path find_or_insert within 4x of the kernels | ",
+        "| XLA path embedding step: slowest / fastest capacity <= 1.3 | ",
+      ],
+    ),
+    (
       "memory",
       ["--capacity", "1024", "--features", "4"],
       ["| `optax.adam` | int64 | jr.LRU() | ", "| `admission_capacity` ids | int32 | "],

@@ -335,6 +335,8 @@ def test_evict_kernel_equals_its_reference(num_words, bucket_size, protect, wind
   scores = _free_score_highest(table, rng.integers(0, 6, table.num_slots, dtype=np.uint32))
   pending = ~found & jnp.asarray(rng.random(words.shape[0]) < 0.9)
   new_score = jnp.asarray(rng.integers(0, 8, words.shape[0], dtype=np.uint32))
+  if not protect:  # unprotected, as under LRU: every key of the call has one score
+    new_score = jnp.full(words.shape[0], 4, jnp.uint32)
   named = jnp.where(found, slot, -1) if protect else None
   args = (table.layout, table.buckets.reshape(-1), scores, words, pending, new_score, named)
   kernel, reference = (
@@ -360,6 +362,8 @@ def test_large_evicting_batches_equal_the_reference(protect, window):
   found, slot = _locate(table, words, True)
   scores = _free_score_highest(table, rng.integers(0, 100, table.num_slots, dtype=np.uint32))
   new_score = jnp.asarray(rng.integers(0, 120, words.shape[0], dtype=np.uint32))
+  if not protect:  # unprotected, as under LRU: every key of the call has one score
+    new_score = jnp.full(words.shape[0], 50, jnp.uint32)
   named = jnp.where(found, slot, -1) if protect else None
   args = (table.layout, table.buckets.reshape(-1), scores, words, ~found, new_score, named)
   kernel, reference = (

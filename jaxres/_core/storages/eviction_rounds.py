@@ -96,8 +96,9 @@ def evict(
     pending: bool[N], one row per new key that must evict to enter.
     new_score: uint32[N], each row's key's score.
     named: int32[M] slots of the entries the call names, which must not be
-      evicted, or ``None`` when scores already protect them (every named
-      entry's score then equals the highest a new key can have).
+      evicted, or ``None`` when scores already protect them: every key of
+      the call then has one score (``new_score``, LRU's clock), the highest
+      of the table, so no key of the call can evict another either.
     window: buckets in each of a key's two windows of candidates, or ``None``:
       :func:`auto_window` of the pending rows and ``capacity``.
     capacity: the table's capacity (entries).
@@ -261,11 +262,7 @@ def _evict_reference(
     won = can & (winner == position)
     taker = claims.lowest_writer(claims.cell_of(slot, rounds, scratch), won, scratch)
     won = won & (taker == position)
-    # A victim this call placed: the row that placed it is displaced (placed rows by slot, sorted).
-    placed_slots = jnp.where(out.placed, out.slot, jnp.iinfo(jnp.int32).max)
-    by_slot = jnp.argsort(placed_slots).astype(jnp.int32)
-    at = jnp.clip(jnp.searchsorted(placed_slots[by_slot], victim), 0, n - 1)
-    before = jnp.where(won & (placed_slots[by_slot[at]] == victim), by_slot[at], -1)
+    before = _placer(out, victim, won) if named is not None else jnp.full_like(victim, -1)
     victim_words = _chosen(layout.keys_of(layout.records(flat, victim // size)), victim % size)
     victim_row = layout.row_of(flat, victim)
     won = ordering.after(won, victim_words, victim_row)  # the writes below update flat in place
@@ -324,6 +321,20 @@ def _evict_reference(
   )
   _, flat, scores, floors, out, _ = lax.while_loop(lambda s: jnp.any(s[-1]), later_round, state)
   return out._replace(flat=flat, scores=scores, floors=floors)
+
+
+def _placer(out: Outcome, victim: jax.Array, won: jax.Array) -> jax.Array:
+  """int32[R]: the row that placed each victim a row won, if this call placed it (else -1).
+
+  That row is then displaced. A sort of the batch per round: only where the call's keys can evict
+  each other. Where the scores protect the entries a call names (``named`` is ``None``), every new
+  key carries the highest score, so a key this call placed is never lower than a newcomer's.
+  """
+  n = out.slot.shape[0]
+  placed_slots = jnp.where(out.placed, out.slot, jnp.iinfo(jnp.int32).max)
+  by_slot = jnp.argsort(placed_slots).astype(jnp.int32)
+  at = jnp.clip(jnp.searchsorted(placed_slots[by_slot], victim), 0, n - 1)
+  return jnp.where(won & (placed_slots[by_slot[at]] == victim), by_slot[at], -1)
 
 
 def _chosen(x: jax.Array, at: jax.Array) -> jax.Array:
