@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -38,6 +36,7 @@ import numpy as np
 import jaxres as jr
 from benchmarks import run as tables_run
 from benchmarks import xla_path
+from benchmarks.xla_path import median_us
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH, EAGER_BATCH, CALLS = 4096, 512, 40
@@ -59,24 +58,6 @@ METHODS = {  # name -> (step(table, keys, values) -> table, whether it inserts n
   "read and write rows": (lambda t, k, v: t.write_rows(t.find_rows(k), v), False),
   "remove": (lambda t, k, v: t.remove(k), False),
 }
-
-
-def _median_us(call, calls: int, after=None, wait: bool = True) -> float:
-  """Median microseconds of ``calls`` timed calls after two untimed ones: until each call's
-  work is done (``wait``), or until it returns (JAX dispatches work and returns first).
-
-  ``after(i)``, untimed and waited for, follows call ``i`` (to take out the keys it added).
-  """
-  times = []
-  for i in range(calls + 2):
-    start = time.perf_counter()
-    result = call(i)
-    if wait:
-      jax.block_until_ready(result)
-    if i >= 2:
-      times.append(time.perf_counter() - start)
-    jax.block_until_ready(result if after is None else after(i))
-  return statistics.median(times) * 1e6
 
 
 def functional(capacities: list[int]) -> dict:
@@ -109,8 +90,8 @@ def functional(capacities: list[int]) -> dict:
         holder[0] = remove(holder[0], added[i])
         return holder[0].size
 
-      out[f"{name} {capacity}"] = _median_us(call, CALLS, take_out if inserts else None)
-      out[f"{name} {capacity} again"] = _median_us(
+      out[f"{name} {capacity}"] = median_us(call, CALLS, take_out if inserts else None)
+      out[f"{name} {capacity} again"] = median_us(
         lambda i, call=call: call(0), CALLS, (lambda i, take_out=take_out: take_out(0)) if inserts else None
       )
       del holder
@@ -162,8 +143,8 @@ def _jaxres_eager(capacity: int, live, new, known) -> dict:
   }
   out = {}
   for name, (call, after) in calls.items():
-    out[f"jaxres {name} {capacity}"] = _median_us(call, CALLS, after)
-    out[f"jaxres {name} returns {capacity}"] = _median_us(call, CALLS, after, wait=False)
+    out[f"jaxres {name} {capacity}"] = median_us(call, CALLS, after)
+    out[f"jaxres {name} returns {capacity}"] = median_us(call, CALLS, after, wait=False)
   return out
 
 
@@ -182,7 +163,7 @@ def _tf_eager(capacity: int, live, new, known) -> dict:
     "find": (lambda i: table.lookup(known_t[i]).numpy(), None),
     "remove": (lambda i: table.remove(known_t[i]), lambda i: table.insert(known_t[i], values[:EAGER_BATCH])),
   }
-  return {f"TF {name} {capacity}": _median_us(call, CALLS, after) for name, (call, after) in calls.items()}
+  return {f"TF {name} {capacity}": median_us(call, CALLS, after) for name, (call, after) in calls.items()}
 
 
 def wide() -> dict:
@@ -206,8 +187,8 @@ def wide() -> dict:
       out = find(table, part)
     return out
 
-  one = _median_us(lambda i: find(table, everything), 7)
-  several = _median_us(batches, 7)
+  one = median_us(lambda i: find(table, everything), 7)
+  several = median_us(batches, 7)
   return {"one call": WIDE_KEYS / one * 1e6, "batches": WIDE_KEYS / several * 1e6}  # keys per second
 
 

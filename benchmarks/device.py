@@ -199,12 +199,7 @@ def embedding_step(rows: int, batch: int, calls: int) -> float:
   """Milliseconds per training step of a ``jr.DynamicEmbedding`` of ``rows`` (LRU, Adam, 32 wide)."""
   from benchmarks import xla_path
 
-  old = xla_path.BATCH
-  xla_path.BATCH = batch
-  try:
-    return xla_path.embedding_step(rows, calls) / 1e3
-  finally:
-    xla_path.BATCH = old
+  return xla_path.embedding_step(rows, calls, batch) / 1e3
 
 
 def collection_step(rows: int, batch: int, calls: int) -> float:

@@ -46,17 +46,21 @@ RATIO_GOAL = {"find": 4, "insert": 4, "find_or_insert": 4, "embedding step": 4} 
 FLAT_GOAL = 1.3  # slowest / fastest capacity
 
 
-def _median_us(call, calls: int, after=None) -> float:
-  """Median microseconds of ``calls`` timed calls (until done) after two untimed ones; ``after(i)``
-  follows call ``i``, untimed."""
+def median_us(call, calls: int, after=None, wait: bool = True) -> float:
+  """Median microseconds of ``calls`` timed calls after two untimed ones: until each call's
+  work is done (``wait``), or until it returns (JAX dispatches work and returns first).
+
+  ``after(i)``, untimed and waited for, follows call ``i`` (to take out the keys it added).
+  """
   times = []
   for i in range(calls + 2):
     start = time.perf_counter()
-    jax.block_until_ready(call(i))
+    result = call(i)
+    if wait:
+      jax.block_until_ready(result)
     if i >= 2:
       times.append(time.perf_counter() - start)
-    if after is not None:
-      jax.block_until_ready(after(i))
+    jax.block_until_ready(result if after is None else after(i))
   return statistics.median(times) * 1e6
 
 
@@ -100,7 +104,7 @@ def table_calls(capacity: int, calls: int = CALLS) -> dict:
       holder[0] = remove(holder[0], jr.keys.split64(fresh[i]))
       return holder[0].size
 
-    out[name] = _median_us(call, calls, take_out if inserts else None)
+    out[name] = median_us(call, calls, take_out if inserts else None)
   holder.clear()  # the half-full table's memory back before the full one's
   full = [_filled(capacity, rng.integers(-(2**62), 2**62, capacity), eviction=jr.LRU())]
   evicting = jax.jit(lambda t, k: t.find_or_insert(k, values), donate_argnums=0)
@@ -110,12 +114,12 @@ def table_calls(capacity: int, calls: int = CALLS) -> dict:
     full[0], result = evicting(full[0], new[i])
     return result
 
-  out["evicting find_or_insert"] = _median_us(evict, calls)
+  out["evicting find_or_insert"] = median_us(evict, calls)
   return out
 
 
-def embedding_step(capacity: int, calls: int = CALLS) -> float:
-  """Microseconds per training step of a ``jr.DynamicEmbedding`` of ``capacity`` rows."""
+def embedding_step(capacity: int, calls: int = CALLS, batch: int = BATCH) -> float:
+  """Microseconds per training step of ``batch`` ids on a ``jr.DynamicEmbedding`` of ``capacity`` rows."""
   import optax
   from flax import nnx
 
@@ -139,12 +143,12 @@ def embedding_step(capacity: int, calls: int = CALLS) -> float:
 
   model = Model()
   optimizer = nnx.Optimizer(model, optax.adam(0.01), wrt=nnx.Param)
-  ranks = np.random.default_rng(0).zipf(1.05, BATCH * (calls + 2 + 40)) % 10**6  # Zipf(1.05) ids
+  ranks = np.random.default_rng(0).zipf(1.05, batch * (calls + 2 + 40)) % 10**6  # Zipf(1.05) ids
   stream = (ranks.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)).view(np.int64)
-  batches = [jr.keys.split64(b) for b in stream.reshape(-1, BATCH)]
+  batches = [jr.keys.split64(b) for b in stream.reshape(-1, batch)]
   for ids in batches[:40]:  # warm: rows taken, a small table full and evicting
     step(model, optimizer, ids)
-  return _median_us(lambda i: step(model, optimizer, batches[40 + i]), calls)
+  return median_us(lambda i: step(model, optimizer, batches[40 + i]), calls)
 
 
 _COUNTED = {"instructions": None, "fusions": "fusion", "loops": "while", "sorts": "sort"}
