@@ -11,7 +11,6 @@ dependency is made of data: a test that is always true, which XLA cannot fold.
 
 Examples:
   >>> import jax.numpy as jnp
-from jax import lax
   >>> after(jnp.array([True, False]), jnp.array([7, 0], jnp.uint32)).tolist()
   [True, False]
 """
