@@ -190,7 +190,7 @@ def _answers_alike(served, model, held_out: ClickStream, steps: int) -> bool:
   return same
 
 
-_predict = nnx.jit(predict)
+_predict = nnx.jit(predict, donate_argnums=0)  # donated: nnx.jit would otherwise copy the tables
 
 
 def main(argv=None) -> int:

@@ -17,6 +17,7 @@ from jaxres._core.sharding.sharded_table import ShardedTable
 from jaxres._core.storages.open_addressing import OpenAddressingTable
 from jaxres._core.table import check_capacity
 from jaxres._errors import check_int
+from jaxres._integrations.donation import TableVariable
 from jaxres._nn import admission, counters, embedding_steps, pooling, row_gradients, rowwise
 from jaxres._nn.embedding_steps import Spec, replicated
 from jaxres._nn.row_gradients import Lookup
@@ -29,7 +30,7 @@ class EmbeddingState(nnx.Variable):
   """The tables and counters of a :class:`DynamicEmbedding` (not an ``nnx.Param``: no dense gradient)."""
 
 
-class EmbeddingRows(EmbeddingState):
+class EmbeddingRows(EmbeddingState, TableVariable):
   """The table of a :class:`DynamicEmbedding`'s rows and their optimizer state.
 
   Its metadata ``row_optimizer`` and ``restore_rows_only`` let a checkpoint
@@ -214,7 +215,10 @@ class DynamicEmbedding(nnx.Module):
     mesh = None if mesh is None else table.mesh  # the table's: its axes in Auto mode, as jit returns
     self._spec = Spec(optimizer, initializer, min_count, mesh)
     self.capacity, self.features, self.name = capacity, features, name
-    self.table = EmbeddingRows(table, row_optimizer=optimizer, restore_rows_only=restore_rows_only)
+    label = f"the table of DynamicEmbedding {name!r}" if name else "the table of a DynamicEmbedding"
+    self.table = EmbeddingRows(
+      table, row_optimizer=optimizer, restore_rows_only=restore_rows_only, label=label
+    )
     counts = (
       replicated(admission.counter(room, key), mesh) if min_count > 1 else None
     )  # a copy on each device

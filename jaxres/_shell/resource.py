@@ -12,11 +12,13 @@ import numpy as np
 from flax import nnx
 
 from jaxres._core.pytrees import leaf_names
+from jaxres._integrations.donation import TableVariable
 from jaxres._shell.trackable import Commit, Trackable
 
 
-class ResourceState(nnx.Variable):
-  """The state pytree of a :class:`Resource`; ``nnx.jit`` traces and updates it."""
+class ResourceState(TableVariable):
+  """The state pytree of a :class:`Resource`; ``nnx.jit`` traces and updates it (donate it: see
+  :class:`jaxres.TableCopyWarning`)."""
 
 
 class _Lifecycle:
@@ -107,7 +109,7 @@ class Resource(Trackable, nnx.Module):
       if life.destroyed:
         raise ValueError(f"{type(self).__name__}: the resource was destroyed; create a new one.")
       if not life.created:
-        self._cell = ResourceState(self._place(self._create_resource()))
+        self._cell = ResourceState(self._place(self._create_resource()), label=f"a {type(self).__name__}")
         life.created, life.owner = True, id(self)
         self._initialize()
       return self._cell.get_value()
