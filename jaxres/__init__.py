@@ -79,6 +79,7 @@ __all__ = [
   "TextFileInitializer",
   "Trackable",
   "grad",
+  "inspect_checkpoint",
   "keys",
   "saved_model",
   "value_and_grad",

@@ -99,7 +99,7 @@ class Table(RowProtocol):
 
   A table created with an eviction policy (``eviction=jr.LRU()``, ...) keeps a
   score per entry and evicts when full instead of refusing new keys (see
-  :mod:`jaxres._core.policies`).
+  :class:`jaxres.LRU` and the other policies).
 
   **Cost.** Every method that takes a batch of keys costs O(batch) under
   ``jit`` when the caller donates the table (``jax.jit(step,

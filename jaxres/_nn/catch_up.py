@@ -48,9 +48,10 @@ class CatchUpAdam:
   (as Adam) and the step of its last update (an ``int32``: the memory of
   ``optax.adam``'s per-row ``count``), and the embedding counts its steps.
   A row updated after ``k`` idle steps moves as dense Adam would have moved
-  it over them, in closed form (see :mod:`jaxres._nn.catch_up` for the exact
-  rule), then takes its gradient's step; lazy Adam (``optax.adam``) would
-  leave it where it was. On the click task of :mod:`jaxres.examples` it
+  it over them, in closed form (by ``lr * mu_hat / (sqrt(nu_hat) + eps) * S``
+  with ``S = r + r^2 + ... + r^k``, ``r = b1 / sqrt(b2)``, its moments decaying
+  by ``b1^k`` and ``b2^k``), then takes its gradient's step; lazy Adam
+  (``optax.adam``) would leave it where it was. On the click task of :mod:`jaxres.examples` it
   brings the embedding level with hashed tables trained by dense Adam at
   equal memory (see the embeddings guide).
 

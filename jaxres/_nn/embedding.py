@@ -93,7 +93,7 @@ class DynamicEmbedding(nnx.Module):
     refused once the table is full.
   - **Admission.** With ``min_count > 1``, an id gets a row at its
     ``min_count``-th occurrence, counted in a bounded table of
-    ``admission_capacity`` ids (:mod:`jaxres._nn.admission`: it never
+    ``admission_capacity`` ids (it never
     admits early; it may admit late when more than ``admission_capacity``
     unadmitted ids arrive between two occurrences of an id).
   - **Refused ids** (not admitted yet, or a full table without eviction)

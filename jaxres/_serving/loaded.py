@@ -19,6 +19,24 @@ class LoadedSignature:
   dimension takes any size, the same in every input naming it), then passed
   in the form the program was traced with (64-bit integers as word pairs with
   ``jax_enable_x64`` off, strings encoded).
+
+  Attributes:
+    name: the signature's name in the model's ``signatures``.
+    outputs: the names of the outputs, the keys of each call's result.
+
+  Examples:
+    >>> import tempfile, jax, numpy as np, jaxres as jr
+    >>> table = jr.OpenAddressingTable.create(64, key=np.int32, value=np.float32, default=-1.0)
+    >>> table = table.insert(np.array([1, 2], np.int32), np.array([0.5, 1.5], np.float32))
+    >>> ids = jax.ShapeDtypeStruct(("n",), np.int32)
+    >>> path = tempfile.mkdtemp() + "/export"
+    >>> signature = jr.saved_model.Signature(lambda t, ids: t.find(ids), ids=ids)
+    >>> jr.saved_model.save(table, path, {"find": signature})
+    >>> find = jr.saved_model.load(path).signatures["find"]
+    >>> find.inputs, find.outputs
+    ({'ids': ShapeDtypeStruct(shape=('n',), dtype=int32)}, ['output'])
+    >>> find(ids=np.array([2, 5], np.int32))["output"].tolist()
+    [1.5, -1.0]
   """
 
   def __init__(
@@ -85,6 +103,25 @@ class LoadedModel:
 
   A model exported with ``updatable=True`` also has a ``step`` and takes the
   deltas of later steps in place (:meth:`update`).
+
+  Attributes:
+    path: the directory it was loaded from.
+    signatures: ``{name: LoadedSignature}``, each callable with its named inputs.
+    platforms: the platforms the programs were exported for (``("cpu", "cuda")``).
+
+  Examples:
+    >>> import tempfile, jax, numpy as np, jaxres as jr
+    >>> table = jr.OpenAddressingTable.create(64, key=np.int32, value=np.float32, default=-1.0)
+    >>> table = table.insert(np.array([1, 2], np.int32), np.array([0.5, 1.5], np.float32))
+    >>> ids = jax.ShapeDtypeStruct(("n",), np.int32)
+    >>> path = tempfile.mkdtemp() + "/export"
+    >>> signature = jr.saved_model.Signature(lambda t, ids: t.find(ids), ids=ids)
+    >>> jr.saved_model.save(table, path, {"find": signature})
+    >>> served = jr.saved_model.load(path)
+    >>> sorted(served.signatures), served.platforms, served.step
+    (['find'], ('cpu', 'cuda'), None)
+    >>> served.signatures["find"](ids=np.array([2, 5], np.int32))["output"].tolist()
+    [1.5, -1.0]
   """
 
   def __init__(
