@@ -35,6 +35,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # Sharded tables are tested on 8 CPU devices (set before any backend starts).
 jax.config.update("jax_num_cpu_devices", 8)
@@ -61,6 +62,19 @@ def pytest_runtest_teardown(item):
     jax.clear_caches()
 
 
+COPY_IS_AN_ERROR = "error::jaxres.TableCopyWarning"
+
+
 def pytest_collection_modifyitems(items):
-  """Tests marked ``slow`` first: under xdist, a long test started last would run alone."""
+  """Tests marked ``slow`` first: under xdist, a long test started last would run alone.
+
+  A jitted call that copies a table because it was not donated warns
+  (``jr.TableCopyWarning``). The suite's own tests jit without donating where
+  they test semantics, so the warning is ignored there (``pyproject.toml``);
+  but every docstring example, like every page and notebook, is one a user
+  copies, and must donate: there it is an error.
+  """
   items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+  for item in items:
+    if isinstance(item, pytest.DoctestItem):
+      item.add_marker(pytest.mark.filterwarnings(COPY_IS_AN_ERROR))

@@ -28,7 +28,8 @@ class KeysLostError(ValueError):
     ...   def __init__(self):
     ...     self.table = jr.MutableHashTable(np.int32, np.float32, 0.0, initial_capacity=1)
     >>> model = Model()
-    >>> nnx.jit(lambda m, k: m.table.insert(k, k.astype(np.float32)))(model, np.arange(3, dtype=np.int32))
+    >>> insert = nnx.jit(lambda m, k: m.table.insert(k, k.astype(np.float32)), donate_argnums=0)
+    >>> insert(model, np.arange(3, dtype=np.int32))
     >>> try:
     ...   model.table.find(np.array([0], np.int32))
     ... except jr.KeysLostError as err:

@@ -21,6 +21,7 @@ def blocks(page: Path) -> list[tuple[int, str]]:
   return [(text[: m.start()].count("\n") + 2, m[1]) for m in re.finditer(r"```python\n(.*?)```", text, re.S)]
 
 
+@pytest.mark.filterwarnings("error::jaxres.TableCopyWarning")  # a page's steps donate their tables
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
 def test_every_code_block_runs_twice(page, tmp_path, monkeypatch):
   """A page's blocks run in order in one namespace, in a temporary directory; a second run of the

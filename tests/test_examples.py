@@ -7,6 +7,8 @@ from flax import nnx
 
 from jaxres.examples import Run, RunConfig
 
+pytestmark = pytest.mark.filterwarnings("error::jaxres.TableCopyWarning")  # the examples donate
+
 SMALL = RunConfig(capacity=256, num_fields=3, batch_size=64, features=8, hidden=16, vocab_size=2000)
 
 

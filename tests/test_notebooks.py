@@ -25,3 +25,10 @@ def test_notebook_runs(path):
     out for cell in notebook.cells for out in cell.get("outputs", []) if out.get("output_type") == "error"
   ]
   assert not errors
+  copies = [
+    out
+    for cell in notebook.cells
+    for out in cell.get("outputs", [])
+    if "TableCopyWarning" in out.get("text", "")
+  ]
+  assert not copies, "a notebook's jitted step copied a table: donate it"
