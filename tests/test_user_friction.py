@@ -472,12 +472,14 @@ def test_3_rows_of_another_width_are_not_blamed_on_the_optimizer(tmp_path):
 @pytest.mark.skipif(
   jax.config.read("jax_enable_x64"), reason="64-bit values are exact JAX values with x64 on"
 )
-def test_1_stateful_insert_or_apply_refuses_64_bit_values_it_would_add_as_word_pairs():
+def test_1_stateful_insert_or_apply_refuses_fns_that_would_get_64_bit_values_as_word_pairs():
+  """jnp.add is exact on them (issue 46); a function it does not know still gets a clear error."""
   counts = jr.MutableHashTable(np.int64, np.int64, default_value=0)
   counts.insert(np.array([1]), np.array([-1]))
+  counts.insert_or_apply(np.array([1]), np.array([2**32]), jnp.add)
   with pytest.raises(TypeError, match="word pairs"):
-    counts.insert_or_apply(np.array([1]), np.array([1]), jnp.add)
-  assert counts.find(np.array([1])).tolist() == [-1]
+    counts.insert_or_apply(np.array([1]), np.array([1]), lambda old, new: old + new)
+  assert counts.find(np.array([1])).tolist() == [2**32 - 1]
 
 
 def test_8_a_failed_save_removes_only_its_own_directories(tmp_path, monkeypatch):

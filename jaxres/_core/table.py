@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxres._core import call_args, display, memory, row_protocol
+from jaxres._core import call_args, display, folds, memory, row_protocol
 from jaxres._core.encoding import key_specs
 from jaxres._core.encoding.value_specs import ValueSpec
 from jaxres._core.kernels.row_ops import select_rows
@@ -424,25 +424,42 @@ class Table(RowProtocol):
     Duplicates within the batch fold in order: a key ``k`` present with value
     ``a`` and given ``b`` then ``c`` ends as ``fn(fn(a, b), c)``.
 
+    ``jnp.add``, ``jnp.subtract``, ``jnp.multiply``, ``jnp.maximum``,
+    ``jnp.minimum``, ``jnp.bitwise_and``, ``jnp.bitwise_or`` and
+    ``jnp.bitwise_xor`` (or the same ``jax.lax`` and ``operator`` functions)
+    apply leaf by leaf and are exact on 64-bit integer leaves with
+    ``jax_enable_x64`` on or off: with it off such a leaf is held as uint32
+    word pairs, on which they compute as on ``int64``/``uint64`` (add with
+    carry, subtract with borrow, signed comparison for ``int64``), wrapping
+    around as NumPy does. Any other ``fn`` gets a 64-bit integer leaf with
+    x64 off as its ``uint32[..., 2]`` ``(high, low)`` word pairs and computes
+    on the words.
+
     Args:
       keys: ``key_dtype[*batch, *key_shape]``.
       values: value pytree with leaves ``[*batch, *value_shape]``.
       fn: ``fn(old, new) -> value``, both one entry's value pytree (it is
-        vectorised with ``jax.vmap``), e.g. ``jnp.add``. 64-bit integer leaves
-        with x64 off appear as uint32 word pairs. Pass the same function object
-        each call to avoid recompiling.
+        vectorised with ``jax.vmap``), e.g. ``jnp.add``. Pass the same
+        function object each call to avoid recompiling.
       valid: optional ``bool[*batch]``; rows marked ``False`` are skipped
         (padding in a fixed-shape batch).
       scores: as for :meth:`insert`.
 
     Examples:
-      >>> import jax.numpy as jnp, jaxres as jr
+      >>> import jax.numpy as jnp, numpy as np, jaxres as jr
       >>> t = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.float32)
       >>> t = t.insert_or_apply(jnp.array([1, 1, 2]), jnp.array([1.0, 2.0, 5.0]), jnp.add)
       >>> t.find(jnp.array([1, 2])).tolist()
       [3.0, 5.0]
+
+      Counting in ``int64``, exact past ``2**32`` with x64 off:
+
+      >>> counts = jr.OpenAddressingTable.create(8, key=np.int64, value=np.int64)
+      >>> counts = counts.insert_or_apply(np.array([7, 7, 9]), np.array([2**32 - 1, 2, -5]), jnp.add)
+      >>> np.asarray(counts.find(np.array([7, 9]))).tolist()
+      [4294967297, -5]
     """
-    fn = call_args.static_fn(fn, "fn(old, new)")
+    fn = call_args.static_fn(folds.fold(fn, self.value_spec), "fn(old, new)")
     rows = call_args.prepare(self, keys, values, valid, scores)
     if not rows.n:
       return self

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxres._core import folds
 from jaxres._core.encoding import key_specs
 from jaxres._core.policies import Evicted
 from jaxres._core.table import Table, check_capacity
@@ -186,21 +187,31 @@ class MutableHashTable(LookupTable):
     """New keys get ``values``; present ones become ``fn(old, new)`` (duplicates fold in order).
 
     ``fn`` as for :meth:`jaxres.Table.insert_or_apply` (``jnp.add``: counting);
-    ``valid`` and ``scores`` as for :meth:`insert`.
+    ``valid`` and ``scores`` as for :meth:`insert`. On 64-bit integer values
+    the operations that table names (``jnp.add``, ``jnp.subtract``,
+    ``jnp.maximum``...) are exact with ``jax_enable_x64`` on or off, wrapping
+    around as NumPy's ``int64`` does.
+
+    Raises:
+      TypeError: ``fn`` is none of those operations and the values hold a
+        64-bit integer leaf with x64 off (``fn`` would compute on uint32 word
+        pairs), or the values are strings (the table is unchanged).
 
     Examples:
       >>> import numpy as np, jax.numpy as jnp, jaxres as jr
-      >>> counts = jr.MutableHashTable(np.int64, np.int32, default_value=0)
-      >>> counts.insert_or_apply(np.array([5, 5, 6]), np.ones(3, np.int32), jnp.add)
-      >>> counts.find(np.array([5, 6])).tolist()
-      [2, 1]
+      >>> counts = jr.MutableHashTable(str, np.int64, default_value=0)
+      >>> counts.insert_or_apply(["ada", "ada", "alan"], np.array([1, 2**32, 1]), jnp.add)
+      >>> counts.insert_or_apply(["alan"], np.array([-3]), jnp.add)
+      >>> counts.find(["ada", "alan", "grace"]).tolist()
+      [4294967297, -2, 0]
     """
     if self._value_codec.is_string:
       raise TypeError("fn: a table of str values cannot apply fn to them; use insert.")
-    if any(leaf.wide for leaf in self.state.value_spec.leaves):
+    if any(leaf.wide for leaf in self.state.value_spec.leaves) and not folds.is_exact(fn):
       raise TypeError(
-        "fn: with jax_enable_x64 off, 64-bit integer values reach fn as uint32 word pairs, on which "
-        "arithmetic is not 64-bit arithmetic; use int32 values, or enable jax_enable_x64."
+        f"fn: with jax_enable_x64 off, 64-bit integer values are exact under {folds.EXACT}; "
+        f"{fn!r} would get them as uint32 word pairs, on which arithmetic is not 64-bit arithmetic. "
+        "Use one of those, int32 values, or enable jax_enable_x64."
       )
     self._write(Table.insert_or_apply, keys, values, fn=fn, valid=valid, scores=scores)
 

@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxres._core import memory
+from jaxres._core import folds, memory
 from jaxres._core.encoding import key_specs
 from jaxres._core.encoding.value_specs import ValueSpec
 from jaxres._core.kernels import claims
@@ -45,7 +45,7 @@ from jaxres._core.modes import Carry
 from jaxres._core.pytrees import pytree_dataclass, static_field
 from jaxres._core.sharding.routing import Route, owner_of, round_rows, shard_capacity_for, travelling
 from jaxres._core.storages.open_addressing import OpenAddressingTable
-from jaxres._core.storages.storage import Storage, exact_reduction
+from jaxres._core.storages.storage import Storage
 from jaxres._core.table import Table, check_capacity
 
 
@@ -372,7 +372,7 @@ class ShardedTable(Table):
 
     # A fold that no order changes (an integer sum, a maximum) is reduced per device and
     # travels once per key; any other needs every row at the owner, in batch order.
-    reduction = exact_reduction(fn, self.value_spec)
+    reduction = folds.reduction(fn)
     pick = None if reduction is None else (reduction,) * len(leaves) + tuple(p for _, p in extras)
     return self._routed(op, words, active, [*leaves, *(x for x, _ in extras)], pick)[0]
 

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import operator
 
 import jax
 import jax.numpy as jnp
 
-from jaxres._core import call_args, memory
+from jaxres._core import call_args, folds, memory
 from jaxres._core.kernels import claims
 from jaxres._core.kernels.row_ops import select_rows, take_rows, write_rows
-from jaxres._core.modes import Carry, Upsert
+from jaxres._core.modes import Upsert
 from jaxres._core.policies import Policy
 from jaxres._core.table import Table
 
@@ -225,7 +224,7 @@ class Storage(Table):
       return table._put(row[rows], folded, earliest), pending.at[target].set(live & ~earliest, mode="drop")
 
     pending = present & ~first
-    reduction = exact_reduction(fn, table.value_spec)
+    reduction = folds.reduction(fn)
     if reduction is not None:
       target = jnp.where(pending, row, table.capacity)
       values = tuple(reduction.scatter(v.at[target], x) for v, x in zip(table.values, leaves))
@@ -316,32 +315,3 @@ class Storage(Table):
     """``(words[N, W], live bool[N])`` of the slots ``slot`` alone (O(N), where :meth:`_slots` reads all)."""
     words, live = self._slots()
     return words[slot], live[slot]
-
-
-# Reductions whose result on integers does not depend on the order of the
-# operands, so one scatter equals the in-order fold exactly.
-_ORDER_FREE = {
-  jnp.add: Carry.ADD,
-  jax.lax.add: Carry.ADD,
-  operator.add: Carry.ADD,
-  jnp.multiply: Carry.MULTIPLY,
-  jax.lax.mul: Carry.MULTIPLY,
-  operator.mul: Carry.MULTIPLY,
-  jnp.maximum: Carry.MAX,
-  jax.lax.max: Carry.MAX,
-  jnp.minimum: Carry.MIN,
-  jax.lax.min: Carry.MIN,
-}
-
-
-def exact_reduction(fn, value_spec) -> Carry | None:
-  """The reduction equal to folding with ``fn`` (``Carry.ADD``, ``Carry.MAX``...), or None to fold in order.
-
-  Only integer leaves make a sum or product independent of the order.
-  """
-  try:
-    reduction = _ORDER_FREE.get(fn)
-  except TypeError:  # unhashable callable
-    return None
-  integral = all(leaf.dtype.kind in "iu" and not leaf.wide for leaf in value_spec.leaves)
-  return reduction if integral else None
