@@ -101,6 +101,8 @@ _X64_SELECTIONS = {
   "training": [
     "test_examples.py::test_restart_with_deferred_restore_continues_bitwise",
     "test_embedding.py::test_int64_ids_with_equal_low_words_get_distinct_rows",
+    "test_string_ids.py::test_training_with_string_ids_equals_the_encoded_composite_key_run",
+    "test_string_ids.py::test_the_collection_takes_string_tables",
     "test_eviction.py::test_runs_are_deterministic",
     "test_sharded.py::test_checkpoint_round_trip_8_4_8_devices",
     "test_memory.py::test_embedding_memory_sums_to_its_state_before_and_after_a_step",

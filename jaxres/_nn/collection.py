@@ -37,7 +37,8 @@ class TableConfig:
     features: the width of a row.
     optimizer: the rows' optimizer: an elementwise optax transformation
       (``optax.adam(1e-3)``, applied row by row) or :class:`jaxres.CatchUpAdam`.
-    key: the id dtype (``jnp.int64`` by default).
+    key: the id dtype (``jnp.int64`` by default), or ``str`` (string ids).
+    max_length: for ``key=str``, the longest id in UTF-8 bytes (default 64).
     eviction: ``jr.LRFU()`` (the default), ``jr.LRU()``, ``jr.LFU()`` or ``None`` (a full table
       refuses new ids).
     min_count: occurrences an id needs to get a row.
@@ -50,12 +51,15 @@ class TableConfig:
     >>> import optax, jaxres as jr
     >>> jr.TableConfig(1 << 20, 32, optimizer=optax.adam(1e-3)).capacity
     1048576
+    >>> jr.TableConfig(1 << 16, 8, optimizer=optax.adam(1e-3), key=str, max_length=32).max_length
+    32
   """
 
   capacity: int
   features: int
   optimizer: Any = dataclasses.field(kw_only=True)
   key: Any = dataclasses.field(default=jnp.int64, kw_only=True)
+  max_length: int | None = dataclasses.field(default=None, kw_only=True)
   eviction: Any = dataclasses.field(default=LRFU(), kw_only=True)
   min_count: int = dataclasses.field(default=1, kw_only=True)
   admission_capacity: int | None = dataclasses.field(default=None, kw_only=True)
@@ -199,7 +203,8 @@ class EmbeddingCollection(nnx.Module):
       inputs: feature name -> ``ids`` or ``(ids, weights)``: ``ids`` of the
         table's key dtype, ``[batch]`` (one id per example) or ``[batch, L]``
         (multi-hot, padded), as word pairs (``uint32[..., 2]``) inside ``jit``
-        for 64-bit ids with ``jax_enable_x64`` off; ``weights`` ``float[batch]``
+        for 64-bit ids with ``jax_enable_x64`` off, and as their rows inside
+        ``jit`` for string ids (:meth:`encode`); ``weights`` ``float[batch]``
         or ``float[batch, L]``, 0 for padding. A subset of the features may be given.
 
     Raises:
@@ -207,11 +212,7 @@ class EmbeddingCollection(nnx.Module):
         does not take or of another rank, weights of another shape or
         negative (the message names the feature; nothing is looked up).
     """
-    if not isinstance(inputs, Mapping):
-      raise TypeError(f"inputs: expected a dict of feature name -> ids or (ids, weights), got {inputs!r}.")
-    unknown = sorted(set(inputs) - set(self.features), key=str)
-    if unknown:
-      raise ValueError(f"inputs: unknown features {unknown}; the collection has {sorted(self.features)}.")
+    self._check_features(inputs)
     looked_up = {name: self._parse(name, inputs[name]) for name in sorted(inputs)}  # all checked first
     rows = {}
     for table_name, table in self.tables.items():
@@ -232,16 +233,55 @@ class EmbeddingCollection(nnx.Module):
         start += feature.size
     return {name: rows[name] for name in inputs}
 
+  def _check_features(self, inputs) -> None:
+    if not isinstance(inputs, Mapping):
+      raise TypeError(f"inputs: expected a dict of feature name -> ids or (ids, weights), got {inputs!r}.")
+    unknown = sorted(set(inputs) - set(self.features), key=str)
+    if unknown:
+      raise ValueError(f"inputs: unknown features {unknown}; the collection has {sorted(self.features)}.")
+
   def _parse(self, name: str, value) -> _Feature:
     ids, weights = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
     table = self.tables[self.features[name].table]
-    words, batch = table.key_spec.encode(ids, f"inputs[{name!r}]")
+    words, batch = table.key_words(ids, f"inputs[{name!r}]")
     if len(batch) not in (1, 2):
       raise ValueError(
         f"inputs[{name!r}]: expected ids of shape [batch] or [batch, L] (multi-hot), got {batch}."
       )
     weights = pooling.check_weights(weights, batch, f"inputs[{name!r}] weights")
     return _Feature(words.reshape(-1, words.shape[-1]), weights, tuple(batch))
+
+  def encode(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """``inputs`` (as :meth:`__call__` takes them) with each feature's ids in the form its table takes
+    inside ``jit`` (:meth:`jaxres.DynamicEmbedding.encode`: string ids as rows, 64-bit ids as word
+    pairs with ``jax_enable_x64`` off), weights kept: made on the host, before a jitted step.
+
+    Raises:
+      TypeError, ValueError: an unknown feature, or ids its table does not take (naming the feature).
+
+    Examples:
+      >>> import numpy as np, optax, jaxres as jr
+      >>> from flax import nnx
+      >>> emb = jr.EmbeddingCollection(
+      ...     {"words": jr.TableConfig(64, 4, optimizer=optax.sgd(0.1), key=str, max_length=12)},
+      ...     {"word": jr.FeatureConfig("words"), "title": jr.FeatureConfig("words", combiner="mean")},
+      ...     rngs=nnx.Rngs(0))
+      >>> batch = emb.encode({"word": ["fox"], "title": (np.array([["the", "fox"]]), np.ones((1, 2)))})
+      >>> batch["word"].shape, batch["title"][0].shape       # uint32 rows of 4 words
+      ((1, 4), (1, 2, 4))
+      >>> out = nnx.jit(lambda m, b: m(b))(emb, batch)
+      >>> emb.tables["words"].export()[0].tolist()
+      ['fox', 'the']
+    """
+    self._check_features(inputs)
+    encoded = {}
+    for name, value in inputs.items():
+      table = self.tables[self.features[name].table]
+      if isinstance(value, tuple) and len(value) == 2:
+        encoded[name] = (table.encode_as(value[0], f"inputs[{name!r}]"), value[1])
+      else:
+        encoded[name] = table.encode_as(value, f"inputs[{name!r}]")
+    return encoded
 
   def _pool(self, name: str, feature: _Feature, found: jax.Array) -> jax.Array:
     combiner, width = self.features[name].combiner, found.shape[-1]

@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxres._core import memory
+from jaxres._core.encoding import key_specs
 from jaxres._core.policies import LRFU, check_policy
 from jaxres._core.sharding.sharded_table import ShardedTable
 from jaxres._core.storages.open_addressing import OpenAddressingTable
@@ -21,6 +22,7 @@ from jaxres._integrations.donation import TableVariable
 from jaxres._nn import admission, counters, embedding_steps, pooling, row_gradients, rowwise
 from jaxres._nn.embedding_steps import Spec, replicated
 from jaxres._nn.row_gradients import Lookup
+from jaxres._shell.table_codecs import KeyCodec, is_string_dtype
 
 _INITIALIZER = nnx.initializers.normal(0.01)
 _EVICTION = LRFU()  # the default: see the embeddings guide, 'Defaults'
@@ -35,7 +37,8 @@ class EmbeddingRows(EmbeddingState, TableVariable):
 
   Its metadata ``row_optimizer`` and ``restore_rows_only`` let a checkpoint
   trained with another row optimizer be restored: the rows and scores kept,
-  the optimizer state started afresh (see :func:`rows_only`).
+  the optimizer state started afresh (see :func:`rows_only`); ``max_length``
+  (string ids) lets a checkpoint of another one be refused by name.
   """
 
 
@@ -113,12 +116,22 @@ class DynamicEmbedding(nnx.Module):
     get their own. The shared rows are replicated on every device of
     ``mesh``, checkpointed and exported with the module.
 
+  - **String ids** (``key=str``): exact, as strings of at most
+    ``max_length`` UTF-8 bytes (two strings never share a row; a longer one
+    is a ``ValueError``). Eagerly the module takes strings (NumPy arrays or
+    lists); strings cannot enter ``jit``, so a jitted step takes their
+    ``uint32`` rows, :meth:`encode` (``jr.keys.encode_strings(ids,
+    max_length)``), made on the host before the call. :meth:`export` gives
+    the strings back, and a served signature takes them as strings.
+
   Args:
     capacity: the rows the table holds (live ids at most).
     features: the width of a row.
     key: the id dtype (``jnp.int64`` by default: with ``jax_enable_x64``
       off, pass NumPy ``int64`` ids eagerly and ``jr.keys.split64`` word
-      pairs inside ``jit``), ``int32``, ``uint32`` or ``uint64``.
+      pairs inside ``jit``), ``int32``, ``uint32``, ``uint64``, or ``str``.
+    max_length: for ``key=str``, the longest id in UTF-8 bytes (default 64);
+      each id is stored as ``ceil(max_length / 4) + 1`` ``uint32`` words.
     optimizer: an elementwise ``optax.GradientTransformation`` (``sgd``,
       ``adam``, ``adagrad``, ``rmsprop``, ``lion``, chains of them), applied to
       each row with its own state, or :class:`jaxres.CatchUpAdam`.
@@ -160,6 +173,14 @@ class DynamicEmbedding(nnx.Module):
     (True, 2)
     >>> emb.stats()
     {'admitted': 2, 'refused': 0, 'unadmitted': 0, 'full': 0, 'evictions': 0}
+
+    String ids: strings eagerly, their rows (:meth:`encode`) inside ``jit``:
+
+    >>> words = jr.DynamicEmbedding(4, 2, key=str, max_length=8, optimizer=optax.sgd(1.0), rngs=nnx.Rngs(0))
+    >>> rows = words(["fox", "owl", "fox"])
+    >>> jitted = nnx.jit(lambda m, ids: m(ids))(words, words.encode(["owl"]))
+    >>> bool((jitted == rows[1]).all()), words.export()[0].tolist()
+    (True, ['fox', 'owl'])
   """
 
   def __init__(
@@ -168,6 +189,7 @@ class DynamicEmbedding(nnx.Module):
     features: int,
     *,
     key=jnp.int64,
+    max_length: int | None = None,
     optimizer,
     eviction=_EVICTION,
     min_count: int = 1,
@@ -182,6 +204,7 @@ class DynamicEmbedding(nnx.Module):
     name: str | None = None,
   ):
     capacity = check_capacity(capacity)
+    ids = _id_codec(key, max_length)
     oov_buckets = check_int(oov_buckets, "oov_buckets", low=0)
     features = check_int(features, "features", low=1)
     min_count = check_int(min_count, "min_count", low=1)
@@ -207,20 +230,27 @@ class DynamicEmbedding(nnx.Module):
     value = {"row": jax.ShapeDtypeStruct((features,), jnp.float32), "slots": optimizer.slots}
     default = jax.tree.map(lambda _: 0, value)
     if mesh is None:
-      table = OpenAddressingTable.create(capacity, key=key, value=value, default=default, eviction=eviction)
+      table = OpenAddressingTable.create(
+        capacity, key=ids.spec, value=value, default=default, eviction=eviction
+      )
     else:
       table = ShardedTable.create(
-        mesh, axis, capacity, key=key, value=value, default=default, eviction=eviction
+        mesh, axis, capacity, key=ids.spec, value=value, default=default, eviction=eviction
       )
     mesh = None if mesh is None else table.mesh  # the table's: its axes in Auto mode, as jit returns
     self._spec = Spec(optimizer, initializer, min_count, mesh)
+    self._ids = ids  # how ids become the table's keys: strings as rows of uint32 words
     self.capacity, self.features, self.name = capacity, features, name
     label = f"the table of DynamicEmbedding {name!r}" if name else "the table of a DynamicEmbedding"
     self.table = EmbeddingRows(
-      table, row_optimizer=optimizer, restore_rows_only=restore_rows_only, label=label
+      table,
+      row_optimizer=optimizer,
+      restore_rows_only=restore_rows_only,
+      max_length=self.max_length,
+      label=label,
     )
     counts = (
-      replicated(admission.counter(room, key), mesh) if min_count > 1 else None
+      replicated(admission.counter(room, ids.spec), mesh) if min_count > 1 else None
     )  # a copy on each device
     self.counts = None if counts is None else EmbeddingState(counts)
     self.seed = EmbeddingState(jax.random.key_data(rngs.params()))
@@ -249,22 +279,63 @@ class DynamicEmbedding(nnx.Module):
 
     Args:
       ids: ``key[*batch]`` (``uint32[*batch, 2]`` word pairs for 64-bit ids
-        inside ``jit`` with ``jax_enable_x64`` off).
+        inside ``jit`` with ``jax_enable_x64`` off; for ``key=str``, strings
+        eagerly and their rows, :meth:`encode`, inside ``jit``).
       weights: optional ``float[*batch]``: each row comes back scaled by its
         weight; a weight of 0 marks padding (not looked up, inserted,
         counted or trained; reads zeros).
 
     Raises:
-      TypeError, ValueError: ids of another dtype, weights of another shape
-        or dtype, or negative (nothing in the module changes).
+      TypeError, ValueError: ids of another dtype, strings longer than
+        ``max_length``, weights of another shape or dtype, or negative
+        (nothing in the module changes).
     """
-    table = self.table.get_value()
-    words, batch = table.key_spec.encode(ids, "ids")
+    words, batch = self.key_words(ids, "ids")
     weights = pooling.check_weights(weights, batch, "weights")
-    flat = words.reshape(-1, table.key_spec.num_words)
+    flat = words.reshape(-1, self.key_spec.num_words)
     valid = None if weights is None else weights.reshape(-1) != 0
     rows = self.lookup_words(flat, valid).reshape(*batch, self.features)
     return rows if weights is None else rows * weights[..., None]
+
+  def encode(self, ids) -> jax.Array:
+    """``ids`` in the form this embedding takes inside ``jit``, made on the host before the call.
+
+    Strings (``key=str``) become the ``uint32[*batch, W]`` rows of
+    ``jr.keys.encode_strings(ids, max_length)``; 64-bit ids become
+    ``uint32[*batch, 2]`` word pairs with ``jax_enable_x64`` off; other ids
+    a JAX array of the key dtype. Encoded ids are returned as they are.
+
+    Raises:
+      TypeError, ValueError: ids this embedding does not take (strings
+        longer than ``max_length`` included), naming ``ids``.
+
+    Examples:
+      >>> import optax, jaxres as jr
+      >>> from flax import nnx
+      >>> emb = jr.DynamicEmbedding(8, 2, key=str, max_length=8, optimizer=optax.sgd(0.1), rngs=nnx.Rngs(0))
+      >>> rows = emb.encode(["fox", "héron"])
+      >>> rows.dtype, rows.shape, jr.keys.decode_strings(rows).tolist()
+      (dtype('uint32'), (2, 3), ['fox', 'héron'])
+    """
+    return self.encode_as(ids, "ids")
+
+  def encode_as(self, ids, name: str) -> jax.Array:
+    """:meth:`encode`, its errors naming ``name`` (a collection's feature)."""
+    if self._ids.is_string:
+      return jnp.asarray(self._ids.encode(ids, name))
+    spec = self.key_spec
+    spec.encode(ids, name)  # checked: raises on ids this embedding does not take
+    if isinstance(ids, jax.Array):
+      return ids
+    ids = np.asarray(ids)
+    if spec.wide and not key_specs.x64_enabled() and ids.dtype != np.uint32:
+      return jnp.asarray(key_specs.split64_host(ids.astype(spec.dtype)))
+    return jnp.asarray(ids if ids.dtype == np.uint32 and spec.wide else ids.astype(spec.dtype))
+
+  def key_words(self, ids, name: str = "ids") -> tuple[jax.Array | np.ndarray, tuple[int, ...]]:
+    """``(uint32[*batch, W] key words, batch shape)`` of ``ids`` (as :meth:`__call__` takes them),
+    checked; errors name ``name``."""
+    return self.key_spec.encode(self._ids.encode(ids, name), name)
 
   def lookup_words(self, words: jax.Array, valid: jax.Array | None = None) -> jax.Array:
     """``float32[N, features]``: the rows of the ids of key words ``words`` (``uint32[N, W]``,
@@ -328,7 +399,7 @@ class DynamicEmbedding(nnx.Module):
     """
     self._check_training("apply_gradients")
     table = self.table.get_value()
-    words, batch = table.key_spec.encode(ids, "ids")
+    words, batch = self.key_words(ids, "ids")
     grads = jnp.asarray(row_grads) if not isinstance(row_grads, jax.Array) else row_grads
     if not jnp.issubdtype(grads.dtype, jnp.floating):
       raise TypeError(f"row_grads: expected floating gradients, got {grads.dtype}.")
@@ -400,13 +471,15 @@ class DynamicEmbedding(nnx.Module):
     return int(self.table.get_value().size)
 
   def export(self) -> tuple[np.ndarray, np.ndarray]:
-    """``(ids, rows)`` of every id with a row, as NumPy: ids in their exact dtype, sorted."""
+    """``(ids, rows)`` of every id with a row, as NumPy: ids in their exact dtype (``str`` ids as an
+    array of Python strings), sorted (strings by code point)."""
     keys, values, valid = jax.device_get(self.table.get_value().export())
     valid = np.asarray(valid)
     ids, rows = np.asarray(keys)[valid], np.asarray(values["row"])[valid]
-    columns = ids.reshape(ids.shape[0], math.prod(ids.shape[1:])).T  # composite ids: element by element
+    # Composite ids element by element; string rows word by word, which is their code-point order.
+    columns = ids.reshape(ids.shape[0], math.prod(ids.shape[1:])).T
     order = np.lexsort(columns[::-1])
-    return ids[order], rows[order]
+    return self._ids.decode(ids[order]), rows[order]
 
   def stats(self) -> dict[str, int]:
     """``{"admitted", "refused", "unadmitted", "full", "evictions"}``: ids given rows; lookups given
@@ -488,6 +561,11 @@ class DynamicEmbedding(nnx.Module):
     return self.table.get_value().key_spec
 
   @property
+  def max_length(self) -> int | None:
+    """The longest string id in UTF-8 bytes (``key=str``); ``None`` for integer ids."""
+    return self._ids.max_length if self._ids.is_string else None
+
+  @property
   def eviction(self):
     """The eviction policy (``None``: a full table refuses new ids)."""
     return self.table.get_value().eviction
@@ -503,7 +581,15 @@ class DynamicEmbedding(nnx.Module):
 
   def __repr__(self) -> str:
     shared = f", oov_buckets={self.oov_buckets}" if self.shared is not None else ""
+    key = f", key=str, max_length={self.max_length}" if self._ids.is_string else ""
     return (
-      f"jr.DynamicEmbedding(capacity={self.capacity}, features={self.features}, "
+      f"jr.DynamicEmbedding(capacity={self.capacity}, features={self.features}{key}, "
       f"eviction={self.eviction}, min_count={self.min_count}{shared})"
     )
+
+
+def _id_codec(key, max_length: int | None) -> KeyCodec:
+  """How ids of ``key`` become table keys; ``max_length`` only for ``key=str`` (default 64)."""
+  if max_length is not None and not is_string_dtype(key):
+    raise ValueError(f"max_length: only string ids (key=str) have a maximum length; got key={key!r}.")
+  return KeyCodec(key, 64 if max_length is None else max_length, length_name="max_length")

@@ -9,6 +9,10 @@ started afresh: :func:`rows_only` rewrites the arrays so, and the handle
 registered here for :class:`EmbeddingRows` does it when the embedding was
 created with ``restore_rows_only=True``; otherwise it names the option.
 
+**String ids of another maximum length** (``key=str``): stored as rows of
+another number of words, they are refused with a ``ValueError`` that says
+which ``max_length`` takes them.
+
 **Counters from before refusals were split** by cause (three counters where
 there are four): :class:`CountersHandle` reads them with
 :func:`jaxres._nn.counters.split_refusals`.
@@ -25,6 +29,7 @@ from jaxres._integrations.nnx import VariableHandle
 from jaxres._nn import counters
 from jaxres._nn.embedding import EmbeddingCounters, EmbeddingRows, EmbeddingStep
 from jaxres._nn.rowwise import RowOptimizer
+from jaxres._persistence import saved_entries
 from jaxres._persistence.processes import Blocks
 from jaxres._tracking import handles
 
@@ -89,6 +94,7 @@ class EmbeddingRowsHandle(VariableHandle):
   """The rows table of an embedding: restored as any table's, or rows only (see the module)."""
 
   def restore(self, arrays):
+    _check_string_width(arrays, self.obj.get_value().key_spec, self.obj.get_metadata().get("max_length"))
     optimizer = self.obj.get_metadata()["row_optimizer"]
     if trained_with_another_optimizer(arrays, optimizer):
       if not self.obj.get_metadata()["restore_rows_only"]:
@@ -99,6 +105,20 @@ class EmbeddingRowsHandle(VariableHandle):
         )
       arrays = rows_only(arrays, optimizer)
     return super().restore(arrays)
+
+
+def _check_string_width(arrays, key_spec, max_length: int | None) -> None:
+  """Raises ``ValueError`` when the saved string ids are rows of another width than the table's."""
+  if max_length is None:
+    return
+  for name, array in arrays.items():
+    words = tuple(array.shape)[-1:]
+    if saved_entries.field_of(name) == "keys" and words != key_spec.shape:
+      fits = f"max_length={4 * (words[0] - 1)}" if words and words[0] > 1 else "string ids"
+      raise ValueError(
+        f"the checkpoint's string ids are rows of {words[0] if words else 0} words, this embedding's "
+        f"(max_length={max_length}) of {key_spec.shape[0]}: create it with {fits}, as when it was saved."
+      )
 
 
 class EmbeddingStepHandle(VariableHandle):

@@ -16,7 +16,7 @@ import numpy as np
 from jaxres._core.encoding import key_specs, strings
 
 
-def _is_string_dtype(dtype) -> bool:
+def is_string_dtype(dtype) -> bool:
   return dtype is str or dtype is bytes or (isinstance(dtype, str) and dtype in ("str", "string"))
 
 
@@ -69,30 +69,49 @@ class _StringRows:
     length word), exactly as encoding their strings again would.
 
     Raises:
-      ValueError: rows wider than this codec's (their strings could be too long).
+      TypeError: an array of numbers other than ``uint32`` rows.
+      ValueError: rows wider than this codec's (their strings could be too long), or concrete rows
+        whose length word says a string longer than the maximum.
     """
     if _is_string_rows(x, self.width):
-      return x
-    if isinstance(x, jax.Array) or (isinstance(x, np.ndarray) and x.dtype == np.uint32):
-      if x.dtype != np.uint32 or x.ndim < 1 or x.shape[-1] > self.width:
+      return self._checked_lengths(x, name)
+    if isinstance(x, (jax.Array, np.ndarray)) and x.dtype.kind not in "USO":
+      rows = (
+        f"string {name} inside jit are uint32 rows of jr.keys.encode_strings(..., max_length) with "
+        f"max_length <= {self.max_length} (rows of width <= {self.width}); got {x.dtype}{list(x.shape)}"
+      )
+      if x.dtype != np.uint32:
+        raise TypeError(f"{name}: expected strings on the host; {rows}.")
+      if x.ndim < 1 or x.shape[-1] > self.width:
         raise ValueError(
-          f"{name}: string {name} inside jit are uint32 rows of jr.keys.encode_strings(..., max_length) "
-          f"with max_length <= {self.max_length} (rows of width <= {self.width}); "
-          f"got {x.dtype}{list(x.shape)}."
+          f"{name}: {rows}. A served signature's string input takes this max_length: "
+          f"jr.saved_model.Signature(..., max_length={self.max_length})."
         )
       lib = jnp if isinstance(x, jax.Array) else np
       pad = lib.zeros((*x.shape[:-1], self.width - x.shape[-1]), np.uint32)
-      return lib.concatenate([x[..., :-1], pad, x[..., -1:]], axis=-1)
+      return self._checked_lengths(lib.concatenate([x[..., :-1], pad, x[..., -1:]], axis=-1), name)
     return strings.encode(x, self.max_length, name=name)
+
+  def _checked_lengths(self, rows, name: str):
+    """``rows``, their length words checked when they are concrete (inside ``jit`` nothing can raise)."""
+    if key_specs.is_traced(rows) or not rows.size:
+      return rows
+    longest = int(np.max(np.asarray(rows[..., -1])))
+    if longest > self.max_length:
+      raise ValueError(
+        f"{name}: a row's length word says {longest} bytes, over this table's max length of "
+        f"{self.max_length}: not rows of jr.keys.encode_strings(..., max_length={self.max_length})."
+      )
+    return rows
 
 
 class KeyCodec(_Codec, _StringRows):
   """Keys of a stateful table: an integer dtype or spec (composite keys), or ``str``."""
 
-  def __init__(self, key_dtype, max_length: int):
-    self.is_string = _is_string_dtype(key_dtype)
+  def __init__(self, key_dtype, max_length: int, length_name: str = "max_key_length"):
+    self.is_string = is_string_dtype(key_dtype)
     if self.is_string:
-      self.max_length = strings.check_max_length(max_length, "max_key_length")
+      self.max_length = strings.check_max_length(max_length, length_name)
       self.width = strings.string_width(self.max_length)
       self.spec = jax.ShapeDtypeStruct((self.width,), jnp.uint32)
       self.name = "str"
@@ -102,9 +121,9 @@ class KeyCodec(_Codec, _StringRows):
       self.name = str(spec)
     self.config = (self.name, self.max_length if self.is_string else None)
 
-  def encode(self, keys):
-    """User keys -> core keys (strings become word rows on the host)."""
-    return self._rows(keys, "keys") if self.is_string else keys
+  def encode(self, keys, name: str = "keys"):
+    """User keys -> core keys (strings become word rows on the host); errors name ``name``."""
+    return self._rows(keys, name) if self.is_string else keys
 
   def decode(self, keys):
     return strings.decode(keys) if self.is_string else keys
@@ -124,7 +143,7 @@ class ValueCodec(_Codec, _StringRows):
   """
 
   def __init__(self, value_dtype, default_value, max_length: int):
-    self.is_string = _is_string_dtype(value_dtype)
+    self.is_string = is_string_dtype(value_dtype)
     if self.is_string:
       if not isinstance(default_value, (str, bytes)):
         raise TypeError(f"default_value: expected a str for string values, got {default_value!r}.")

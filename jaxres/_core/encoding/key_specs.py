@@ -28,6 +28,11 @@ from jaxres._core.encoding.hashing import hash_words
 
 KEY_DTYPES = (np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.int64), np.dtype(np.uint64))
 _SIGN_BIT = np.uint32(0x80000000)
+STRING_KEYS = (
+  "string ids are the keys of a table made with key=str: jr.DynamicEmbedding(..., key=str, "
+  "max_length=n), jr.TableConfig(..., key=str, max_length=n), jr.MutableHashTable(str, ...); "
+  "inside jit such a table takes the uint32 rows of jr.keys.encode_strings(ids, max_length=n)."
+)
 
 
 def x64_enabled() -> bool:
@@ -97,8 +102,9 @@ def _describe(x) -> str:
   return repr(type(x).__name__)
 
 
-def host_integers(x, dtype: np.dtype, name: str) -> np.ndarray:
-  """Python ints (or nested lists of them) -> NumPy ``dtype``, range-checked."""
+def host_integers(x, dtype: np.dtype, name: str, hint: str = "") -> np.ndarray:
+  """Python ints (or nested lists of them) -> NumPy ``dtype``, range-checked; ``hint`` follows the
+  message of strings given instead."""
   try:
     arr = np.asarray(x)
   except ValueError as err:  # ragged nested lists
@@ -106,7 +112,8 @@ def host_integers(x, dtype: np.dtype, name: str) -> np.ndarray:
   if arr.size == 0 and arr.dtype.kind == "f":  # `[]` parses as float64
     return arr.astype(dtype)
   if arr.dtype.kind not in "iu" or arr.dtype == np.bool_:
-    raise TypeError(f"{name}: expected integers of dtype {dtype}, got {_describe(arr)}.")
+    strings = f"; {hint}" if hint and arr.dtype.kind in "US" else "."
+    raise TypeError(f"{name}: expected integers of dtype {dtype}, got {_describe(arr)}{strings}")
   info = np.iinfo(dtype)
   if arr.size and (int(arr.min()) < info.min or int(arr.max()) > info.max):
     raise ValueError(f"{name}: value out of range for {dtype} [{info.min}, {info.max}].")
@@ -146,10 +153,7 @@ class KeySpec:
       except TypeError:
         raise TypeError(f"key: expected an integer dtype or jax.ShapeDtypeStruct, got {key!r}.") from None
     if dtype not in KEY_DTYPES:
-      raise TypeError(
-        f"key: expected one of int32, uint32, int64, uint64, got {dtype}. "
-        "Strings are supported by the stateful tables (jr.MutableHashTable)."
-      )
+      raise TypeError(f"key: expected one of int32, uint32, int64, uint64, got {dtype}; {STRING_KEYS}")
     if any(d <= 0 for d in shape):
       raise ValueError(f"key: every dimension of a composite key must be positive, got {shape}.")
     return cls(dtype, shape)
@@ -197,9 +201,11 @@ class KeySpec:
       return self._encode_jax(keys, name)
     if isinstance(keys, (np.ndarray, np.generic)):
       arr = np.asarray(keys)
+      if arr.dtype == object and arr.size and isinstance(arr.reshape(-1)[0], (str, bytes)):
+        raise TypeError(f"{name}: expected {self} keys, got strings (an object array); {STRING_KEYS}")
       self._check_dtype(arr.dtype, arr.shape, name)
     else:
-      arr = host_integers(keys, self.dtype, name)
+      arr = host_integers(keys, self.dtype, name, hint=STRING_KEYS)
     return self._encode_host(arr, name)
 
   def count(self, keys) -> int:
@@ -216,6 +222,8 @@ class KeySpec:
     dtype = np.dtype(dtype)
     if dtype == self.dtype or self._is_pairs(dtype, shape):
       return
+    if dtype.kind in "US":
+      raise TypeError(f"{name}: expected {self} keys, got strings ({dtype}); {STRING_KEYS}")
     if not self.wide and dtype.kind in "iu" and np.can_cast(dtype, self.dtype, "safe"):
       return
     if self.wide and jax_array and dtype == jax.dtypes.canonicalize_dtype(self.dtype):
