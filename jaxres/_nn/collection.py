@@ -269,7 +269,7 @@ class EmbeddingCollection(nnx.Module):
       >>> batch = emb.encode({"word": ["fox"], "title": (np.array([["the", "fox"]]), np.ones((1, 2)))})
       >>> batch["word"].shape, batch["title"][0].shape       # uint32 rows of 4 words
       ((1, 4), (1, 2, 4))
-      >>> out = nnx.jit(lambda m, b: m(b))(emb, batch)
+      >>> out = nnx.jit(lambda m, b: m(b), donate_argnums=0)(emb, batch)
       >>> emb.tables["words"].export()[0].tolist()
       ['fox', 'the']
     """
