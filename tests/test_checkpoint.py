@@ -83,6 +83,27 @@ def test_deferred_restore_for_every_kind_of_child(tmp_path):
   _assert_restored(fresh.model)
 
 
+def test_unmatched_paths_say_how_to_accept_a_partial_restore(tmp_path):
+  root = jr.AutoTrackable()
+  root.step, root.seen = jnp.array(3), jnp.array(4)
+  path = jr.Checkpoint(model=root).save(tmp_path / "ckpt")
+  fewer = jr.AutoTrackable()
+  fewer.step = jnp.array(0)
+  status = jr.Checkpoint(model=fewer).restore(path)
+  with pytest.raises(AssertionError) as missing:
+    status.assert_consumed()
+  assert "['model/seen']" in str(missing.value) and "expect_partial()" in str(missing.value)
+  assert status.expect_partial() is status
+  more = jr.AutoTrackable()
+  more.step, more.seen, more.extra = jnp.array(0), jnp.array(0), jnp.array(0)
+  status = jr.Checkpoint(model=more).restore(path)
+  for check in (status.assert_consumed, status.assert_existing_objects_matched):
+    with pytest.raises(AssertionError) as extra:
+      check()
+    assert "['model/extra']" in str(extra.value) and "expect_partial()" in str(extra.value)
+  assert int(more.step) == 3 and int(more.seen) == 4
+
+
 def test_later_restore_wins(tmp_path):
   first, second = _build(), _build()
   second.step = jnp.array(8)

@@ -1,10 +1,17 @@
 """jr.CheckpointManager and jr.inspect_checkpoint."""
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxres as jr
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _graph():
@@ -63,6 +70,58 @@ def test_manager_errors(tmp_path):
   with pytest.raises(ValueError, match="step"):
     manager.save(-1)
   manager.close()
+
+
+_UNCLOSED = textwrap.dedent(
+  """
+  import sys
+  import jax.numpy as jnp, numpy as np
+  import jaxres as jr
+
+  def graph():
+    root = jr.AutoTrackable()
+    root.table = jr.MutableHashTable(np.int64, np.float32, default_value=0.0, initial_capacity=64)
+    root.step = jnp.array(0)
+    return root
+
+  def train(manager, root):
+    for step in range(4):
+      root.table.insert(np.arange(10 * step, 10 * step + 10), np.full(10, step + 0.5, np.float32))
+      root.step = jnp.array(step)
+      manager.save(step)
+
+  kept = graph()  # a manager still referenced at exit
+  manager = jr.CheckpointManager(sys.argv[1] + "/kept", jr.Checkpoint(model=kept), max_to_keep=2)
+  train(manager, kept)
+
+  def dropped():  # a manager dropped with its last (incremental) save in flight
+    root = graph()
+    train(jr.CheckpointManager(sys.argv[1] + "/dropped", jr.Checkpoint(model=root), incremental=True), root)
+
+  dropped()
+  """
+)
+
+
+def test_unclosed_managers_commit_their_saves_quietly_at_exit(tmp_path):
+  """Before: each exit printed tracebacks of Orbax's background commit, and the last step was lost."""
+  result = subprocess.run(
+    [sys.executable, "-c", _UNCLOSED, str(tmp_path)], cwd=ROOT, capture_output=True, text=True
+  )
+  assert result.returncode == 0, result.stderr
+  assert "Traceback" not in result.stderr and "ERROR" not in result.stderr, result.stderr
+  assert not [p.name for p in tmp_path.rglob("*") if "tmp" in p.name]  # no uncommitted step is left
+  for name, steps in (("kept", [2, 3]), ("dropped", [0, 1, 2, 3])):
+    root = jr.AutoTrackable()
+    root.table = jr.MutableHashTable(np.int64, np.float32, default_value=0.0)
+    root.step = jnp.array(-1)
+    manager = jr.CheckpointManager(tmp_path / name, jr.Checkpoint(model=root))
+    assert manager.all_steps() == steps  # pruned to max_to_keep at exit, as close() does
+    manager.restore(3).assert_consumed()
+    manager.close()
+    keys, values = root.table.export()
+    assert int(root.step) == 3
+    assert dict(zip(keys.tolist(), values.tolist())) == {k: k // 10 + 0.5 for k in range(40)}
 
 
 def test_inspect_checkpoint_lists_the_graph_without_loading(tmp_path):

@@ -1,4 +1,4 @@
-"""Readable reprs of tables: a few entries as text, or an HTML table in notebooks."""
+"""Readable reprs of tables and modules: a few facts and entries as text, or an HTML table in notebooks."""
 
 from __future__ import annotations
 
@@ -33,6 +33,34 @@ def text(name: str, entries: list[tuple[str, str]], size: int) -> str:
   """``{k: v, k: v, ...}`` after ``name``: the text repr."""
   more = ", ..." if size > len(entries) else ""
   return f"{name}, size={size}, {{{', '.join(f'{k}: {v}' for k, v in entries)}{more}}})"
+
+
+def constructor(name: str, facts: dict[str, str], *, lines: bool = False) -> str:
+  """``name(k=v, k=v)``: the facts on one line, or one a line (``lines``), their own lines indented.
+
+  Examples:
+    >>> inner = constructor("Outer", {"a": constructor("Inner", {"b": "1", "c": "2"}), "d": "3"}, lines=True)
+    >>> print(constructor("Outermost", {"e": inner}, lines=True))
+    Outermost(
+      e=Outer(
+        a=Inner(b=1, c=2),
+        d=3
+      )
+    )
+  """
+  if not lines:
+    return f"{name}({', '.join(f'{k}={v}' for k, v in facts.items())})"
+  body = ",\n".join(f"  {k}={v}".replace("\n", "\n  ") for k, v in facts.items())
+  return f"{name}(\n{body}\n)"
+
+
+def count(value) -> str:
+  """The text of a count held in an array, or ``"traced"`` where it is not known (inside ``jit``,
+  or of an abstract module)."""
+  try:
+    return str(int(value))
+  except TypeError:  # a tracer (jax's ConcretizationTypeError) or a ShapeDtypeStruct
+    return "traced"
 
 
 def html_table(title: str, facts: dict[str, str], entries: list[tuple[str, str]], size: int) -> str:

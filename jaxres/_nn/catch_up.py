@@ -139,6 +139,7 @@ class RowAdam:
   settings: CatchUpAdam
   features: int
   needs_step = True  # the embedding counts its steps and passes the current one
+  name = "jr.CatchUpAdam"  # for reprs
 
   @property
   def slots(self) -> tuple[jax.ShapeDtypeStruct, ...]:

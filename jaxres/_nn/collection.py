@@ -19,9 +19,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx import reprlib, visualization
 from jax.sharding import Mesh
 
-from jaxres._core import memory
+from jaxres._core import display, memory
 from jaxres._core.policies import LRFU
 from jaxres._errors import check_int
 from jaxres._nn import pooling
@@ -316,10 +317,28 @@ class EmbeddingCollection(nnx.Module):
     parts["other"] += memory.nbytes(nnx.state(self)) - sum(parts.values())
     return parts
 
+  def _facts(self) -> dict[str, str]:
+    """What a repr shows: each table on a line (as its embedding shows itself), and the table and
+    combiner of each feature."""
+    tables = ",\n".join(
+      f"  {name!r}: {display.constructor('DynamicEmbedding', table._facts(named=False))}"
+      for name, table in self.tables.items()
+    )
+    features = ", ".join(f"{name!r}: ({f.table!r}, {f.combiner!r})" for name, f in self.features.items())
+    return {"tables": f"{{\n{tables}\n}}", "features": f"{{{features}}}"}
+
   def __repr__(self) -> str:
-    tables = ", ".join(f"{name!r}: {t.capacity} x {t.features}" for name, t in self.tables.items())
-    features = ", ".join(f"{name!r}: {f.table!r}" for name, f in self.features.items())
-    return f"jr.EmbeddingCollection(tables={{{tables}}}, features={{{features}}})"
+    return display.constructor("jr.EmbeddingCollection", self._facts(), lines=True)
+
+  def __nnx_repr__(self):  # print() of a module holding this one: a line per table, no arrays
+    yield reprlib.Object(type=type(self))
+    for name, value in self._facts().items():
+      yield reprlib.Attr(name, value, use_raw_value=True)
+
+  def __treescope_repr__(self, path, subtree_renderer):  # nnx.display, treescope: each table on a line
+    return visualization.render_object_constructor(
+      type(self), {"tables": self.tables, "features": self.features}, path, subtree_renderer
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.nnx import reprlib
 from jax.sharding import Mesh
 
-from jaxres._core import memory
+from jaxres._core import display, memory
 from jaxres._core.encoding import key_specs
 from jaxres._core.policies import LRFU, check_policy
 from jaxres._core.sharding.sharded_table import ShardedTable
@@ -173,6 +174,9 @@ class DynamicEmbedding(nnx.Module):
     (True, 2)
     >>> emb.stats()
     {'admitted': 2, 'refused': 0, 'unadmitted': 0, 'full': 0, 'evictions': 0}
+    >>> emb   # print(model) shows it on one line likewise, without its arrays
+    jr.DynamicEmbedding(capacity=4, features=2, key=int64, size=2, optimizer=optax(stateless),
+                        eviction=jr.LRFU(half_life=256), min_count=1)
 
     String ids: strings eagerly, their rows (:meth:`encode`) inside ``jit``:
 
@@ -579,12 +583,41 @@ class DynamicEmbedding(nnx.Module):
     """The shared rows read by ids without their own (0: none)."""
     return 0 if self.shared is None else int(self.shared.get_value()["row"].shape[0])
 
+  # ------------------------------------------------------------- display
+
+  def _facts(self, named: bool = True) -> dict[str, str]:
+    """What a repr shows, as texts: no arrays, nor the row optimizer's internals. ``size`` is
+    ``"traced"`` inside ``jit``; ``name`` is left out where unset or not ``named``."""
+    table = self.table.get_value()
+    facts = {"name": repr(self.name)} if named and self.name is not None else {}
+    facts |= {"capacity": str(self.capacity), "features": str(self.features)}
+    if self._ids.is_string:
+      facts |= {"key": "str", "max_length": str(self.max_length)}
+    else:
+      facts["key"] = str(table.key_spec)
+    facts |= {
+      "size": display.count(table.size),
+      "optimizer": self._spec.optimizer.name,
+      "eviction": str(table.eviction),
+      "min_count": str(self.min_count),
+    }
+    if self.shared is not None:
+      facts["oov_buckets"] = str(self.oov_buckets)
+    return facts
+
   def __repr__(self) -> str:
-    shared = f", oov_buckets={self.oov_buckets}" if self.shared is not None else ""
-    key = f", key=str, max_length={self.max_length}" if self._ids.is_string else ""
-    return (
-      f"jr.DynamicEmbedding(capacity={self.capacity}, features={self.features}{key}, "
-      f"eviction={self.eviction}, min_count={self.min_count}{shared})"
+    return display.constructor("jr.DynamicEmbedding", self._facts())
+
+  def __nnx_repr__(self):  # print() of a module holding this one: one line of facts
+    yield reprlib.Object(type=type(self), same_line=True)
+    for name, value in self._facts().items():
+      yield reprlib.Attr(name, value, use_raw_value=True)
+
+  def __treescope_repr__(self, path, subtree_renderer):  # nnx.display, treescope: the same line
+    from treescope import rendering_parts
+
+    return rendering_parts.build_one_line_tree_node(
+      display.constructor(type(self).__name__, self._facts()), path
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import types
 
 import jax
@@ -82,6 +83,22 @@ class RowOptimizer:
     optimizer_._check_elementwise()
     return optimizer_
 
+  @functools.cached_property
+  def name(self) -> str:
+    """A short description for reprs. An optax transformation has no name of its own: this names
+    the optax states each row keeps (``optax(scale_by_adam)`` for ``adam`` or ``adamw``,
+    ``optax(scale_by_rss)`` for ``adagrad``, ``optax(stateless)`` for ``sgd``).
+    """
+    state = jax.eval_shape(self.transformation.init, jax.ShapeDtypeStruct((self.features,), jnp.float32))
+    named = _named_states(state)
+    if named:
+      return f"optax({', '.join(named)})"
+    leaves = len(jax.tree.leaves(state))
+    return f"optax({leaves} state arrays per row)" if leaves else "optax(stateless)"
+
+  def __repr__(self) -> str:  # not the transformation's functions and tree structure
+    return f"RowOptimizer({self.name}, features={self.features})"
+
   def _check_elementwise(self) -> None:
     """Raises ``ValueError`` when an element's update depends on other elements of its row."""
     with jax.ensure_compile_time_eval():  # concrete under a trace too (nnx.eval_shape of a model)
@@ -122,14 +139,27 @@ class RowOptimizer:
     return jax.vmap(one)(grads, rows, list(slots))
 
 
+def _named_states(state) -> list[str]:
+  """The optax states (named tuples such as ``ScaleByAdamState``) in ``state`` that hold arrays of
+  their own, outermost first, by the name of the transformation keeping them (``scale_by_adam``)."""
+  if isinstance(state, dict):
+    return [name for value in state.values() for name in _named_states(value)]
+  if not isinstance(state, (tuple, list)):
+    return []
+  own = hasattr(state, "_fields") and any(isinstance(x, jax.ShapeDtypeStruct) for x in state)
+  name = re.sub(r"(?<!^)(?=[A-Z])", "_", type(state).__name__.removesuffix("State")).lower()
+  return [name] * own + [name for value in state for name in _named_states(value)]
+
+
 def for_rows(optimizer, features: int):
   """The row optimizer of ``optimizer`` for rows of ``features`` values.
 
   An object with a ``for_rows(features)`` method (:class:`jaxres.CatchUpAdam`)
   builds its own; an optax transformation is wrapped by :meth:`RowOptimizer.wrap`.
   Either has ``features``, ``slots`` (one row's state leaves), ``init(rows)``,
-  ``update(grads, rows, slots, step)`` and ``needs_step``: whether the
-  embedding must count its steps and pass the current one.
+  ``update(grads, rows, slots, step)``, ``needs_step``: whether the
+  embedding must count its steps and pass the current one, and ``name``: a
+  short description for reprs.
   """
   if hasattr(optimizer, "for_rows"):
     return optimizer.for_rows(features)

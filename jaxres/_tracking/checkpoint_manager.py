@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures.thread  # noqa: F401 (registers its exit hook before ours: see _close_open_managers)
 import functools
+import sys
+import threading
+import weakref
 
 from jaxres._errors import check_int
 from jaxres._persistence import processes
@@ -23,7 +27,10 @@ class CheckpointManager:
   One manager writes to a directory at a time: the first save takes it over
   until :meth:`close` (or the process ends), and a manager of another
   process that saves there meanwhile is refused; a manager that only reads
-  (``restore``, ``all_steps``) takes nothing and deletes nothing.
+  (``restore``, ``all_steps``) takes nothing and deletes nothing. A manager
+  left open is closed when the interpreter exits (its pending save is
+  committed, old steps pruned), and one dropped unclosed commits its pending
+  save then; :meth:`close` is where a failed save's error is raised.
 
   **Incremental saves** (``incremental=True``): the first save, every
   ``full_every``-th one and ``save(step, full=True)`` write everything; the
@@ -120,6 +127,9 @@ class CheckpointManager:
     self._needs: dict[int, list[int]] = {}
     self._saved = False  # pruning follows this manager's own saves: reading never deletes
     self._owner = ownership.Owner(self.directory)  # one writer per directory, claimed at the first save
+    # A manager dropped unclosed still commits its pending save (and gives the directory up).
+    self._release = weakref.finalize(self, _release, self._store, self._owner)
+    _open_managers.add(self)
 
   def save(self, step: int, full: bool | None = None) -> None:
     """Saves the checkpoint's objects as ``step`` (returns once the arrays are copied).
@@ -215,11 +225,11 @@ class CheckpointManager:
 
   def close(self) -> None:
     """Waits for pending saves and releases Orbax's resources."""
+    _open_managers.discard(self)
     try:
       self._settle()
     finally:
-      self._store.close()
-      self._owner.release()
+      self._release()
 
   def _settle(self) -> None:
     """Waits for the pending save; then, once this manager has saved, removes the steps that are
@@ -253,3 +263,33 @@ class CheckpointManager:
         contents = {}
       self._needs[step] = increments.needs(contents)
     return self._needs[step]
+
+
+def _release(store: StepStore, owner: ownership.Owner) -> None:
+  """Waits for ``store``'s pending save, closes it and gives the directory up."""
+  try:
+    store.close()
+  finally:
+    owner.release()
+
+
+_open_managers: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+
+
+def _close_open_managers() -> None:
+  """Closes the managers still open at interpreter exit: their pending saves are committed.
+
+  Runs among ``threading``'s exit hooks, which run in the reverse order of their registration,
+  before the interpreter joins its threads and before ``atexit``: so before the hook of
+  ``concurrent.futures.thread`` (imported above, so registered first) refuses new work to
+  executors, which Orbax's background commit of a save still needs. Left to run after it, that
+  commit fails and the save is lost, with a traceback for each of its threads.
+  """
+  for manager in list(_open_managers):
+    try:
+      manager.close()
+    except Exception as err:  # reported, as nothing is left to raise it to
+      print(f"jaxres: closing CheckpointManager({manager.directory!r}) at exit: {err}", file=sys.stderr)
+
+
+threading._register_atexit(_close_open_managers)

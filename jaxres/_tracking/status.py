@@ -8,6 +8,8 @@ from typing import Any
 from jaxres._tracking.identity import IdentityMap
 from jaxres._tracking.manifest import Reader
 
+_PARTIAL_HINT = "To accept a partial restore, call `expect_partial()` on the status instead of asserting."
+
 
 class Ledger:
   """What a restore (or one step of it) has done; merged into the restore's ledger on success.
@@ -75,14 +77,18 @@ class LoadStatus:
     """
     unused = sorted(p for p in self._reader.valued() if p not in self._ledger.consumed)
     if unused:
-      raise AssertionError(f"{self._reader.label}: checkpoint values with no object: {unused}")
+      raise AssertionError(
+        f"{self._reader.label}: checkpoint values with no object: {unused}. Attach objects under "
+        f"these paths (they are restored on attach). {_PARTIAL_HINT}"
+      )
     return self.assert_existing_objects_matched()
 
   def assert_existing_objects_matched(self) -> LoadStatus:
     """Every object of the restored graph had a checkpointed value, shared as in the checkpoint."""
     if self._ledger.extra:
       raise AssertionError(
-        f"{self._reader.label}: objects with no checkpointed value: {sorted(self._ledger.extra)}"
+        f"{self._reader.label}: objects with no checkpointed value: {sorted(self._ledger.extra)}. "
+        f"{_PARTIAL_HINT}"
       )
     if self._ledger.sharing:
       raise AssertionError(
