@@ -1,5 +1,11 @@
 """What the tests that start child processes share."""
 
+# How long a test waits for a child process (or a notebook's cell) before calling it hung. A hang
+# guard only, never a speed check: the longest child takes a few minutes on a quiet machine, and a
+# loaded one (a shared CI runner, the suite's own xdist workers) must never fail a test by being
+# slow. Every wait on a child in the suite uses it.
+HANG_GUARD_S = 3600
+
 
 def progress(lines):
   """A child's complete ``saving k`` / ``saved k`` lines as ``(word, k)``.

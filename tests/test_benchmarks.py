@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from children import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +46,7 @@ print("ok")
 def test_benchmark_harness_runs_on_tiny_sizes():
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   result = subprocess.run(
-    [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S
   )
   assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr
 
@@ -125,6 +126,16 @@ def test_benchmark_harness_runs_on_tiny_sizes():
       ],
     ),
     (
+      "startup",
+      ["--runs", "1", "--capacity", "256", "--batch", "8", "--formats", "jaxres"],
+      [
+        "| `import jaxres` | ",
+        "| jaxres's own share (the difference with the first row, per run) | ",
+        "| on, filled (later processes) | ",
+        '| `format="jaxres"` | ',
+      ],
+    ),
+    (
       "quality",
       ["--scale", "0.01", "--tasks", "drift", "--peers", "jaxres,dense", "--seeds", "1"],
       [
@@ -139,7 +150,7 @@ def test_benchmark_harness_runs_on_tiny_sizes():
 def test_benchmark_runs_on_tiny_sizes(module, args, rows):
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   cmd = [sys.executable, "-m", f"benchmarks.{module}", *args, "--out", os.devnull]
-  result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
   assert result.returncode == 0, result.stdout + result.stderr
   for row in rows:
     assert row in result.stdout, result.stdout

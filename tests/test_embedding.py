@@ -11,6 +11,7 @@ from flax import nnx
 from oracle import mesh_of
 
 import jaxres as jr
+from jaxres._nn import rowwise
 
 FEATURES = 3
 POOL = (np.arange(24, dtype=np.int64) * 7919 + 2**40) * np.array([1, -1] * 12)  # 64-bit ids, exact
@@ -370,6 +371,16 @@ def test_elementwise_optimizers_are_accepted(optimizer):
   before = np.asarray(emb(ids))
   emb.apply_gradients(ids, np.ones((3, FEATURES), np.float32))
   assert not np.array_equal(np.asarray(emb(ids)), before)
+
+
+def test_the_elementwise_check_runs_once_per_optimizer_built_alike():
+  """It compiles a program: a model of many tables built with equal optimizers checks once."""
+  rowwise._elementwise.cache_clear()
+  for _ in range(3):
+    _embedding(8, optimizer=optax.adam(0.03))
+  with pytest.raises(ValueError, match="depends on other elements"):  # and refusals are kept too
+    _embedding(8, optimizer=optax.clip_by_global_norm(1.0))
+  assert rowwise._elementwise.cache_info().misses == 2
 
 
 def test_bad_gradients_and_ids_leave_the_embedding_unchanged():

@@ -20,6 +20,7 @@ import threading
 import jax
 import numpy as np
 import pytest
+from children import HANG_GUARD_S
 from test_faults import _full_disk
 from test_serving_deltas import CPU, SIGNATURES, Trainer, _answers, _same_answers
 from tower import Model
@@ -462,7 +463,7 @@ def test_fault_catalogue_of_checkpoints_steps_and_exports():
     for kind in ("checkpoint", "step", "export")
   }
   for kind, child in children.items():
-    out, _ = child.communicate(timeout=900)  # a hang guard only: a run takes well under a minute
+    out, _ = child.communicate(timeout=HANG_GUARD_S)  # a run takes well under a minute
     assert child.returncode == 0, f"{kind}: the reader crashed (exit {child.returncode})"
     counts = json.loads(out.strip().splitlines()[-1])
     files = counts.pop("files")

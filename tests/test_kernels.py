@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from children import HANG_GUARD_S
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -505,7 +506,7 @@ np.savez(sys.argv[1], **out)
 def _run(tmp_path, kernels: str):
   path = tmp_path / f"run{kernels}.npz"
   env = {**os.environ, "JAXRES_KERNELS": kernels, "JAX_PLATFORMS": "cpu"}
-  subprocess.run([sys.executable, "-c", _RUN, str(path)], check=True, env=env, cwd=ROOT, timeout=600)
+  subprocess.run([sys.executable, "-c", _RUN, str(path)], check=True, env=env, cwd=ROOT, timeout=HANG_GUARD_S)
   return dict(np.load(path))
 
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from children import HANG_GUARD_S
 from oracle import STORAGES
 
 import jaxres as jr
@@ -131,6 +132,8 @@ def test_x64_suite(group):
     "-k",
     "64 or not (random or seed_dtype)",  # the 64-bit kinds and dtype combinations
   ]
-  result = subprocess.run(cmd + selection, cwd=here, env=env, capture_output=True, text=True, timeout=600)
+  result = subprocess.run(
+    cmd + selection, cwd=here, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S
+  )
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   assert " passed" in result.stdout

@@ -17,7 +17,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from children import progress
+from children import HANG_GUARD_S, progress
 from multiprocess_table import KEYS, VALUE, changed, empty_table, table_at
 from oracle import entries, mesh_of
 
@@ -29,10 +29,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PRELUDE = """
 import json, sys
 import jax
+from children import HANG_GUARD_S  # the tests' folder is the working directory
 process_id, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
+jax.distributed.initialize(  # JAX's own limits (300 s) on the other process starting and finishing: guards
+  f"localhost:{port}", num_processes=2, process_id=process_id,
+  initialization_timeout=HANG_GUARD_S, shutdown_timeout_seconds=HANG_GUARD_S,
+)
 import jax.numpy as jnp, numpy as np
 import jaxres as jr
 
@@ -190,7 +194,7 @@ def _start(script: str, path) -> list[subprocess.Popen]:
 
 def _run_together(script: str, path="") -> list[dict]:
   workers = _start(script, path)
-  outputs = [w.communicate(timeout=300) for w in workers]
+  outputs = [w.communicate(timeout=HANG_GUARD_S) for w in workers]
   for worker, (_, err) in zip(workers, outputs):
     assert worker.returncode == 0, err[-3000:]
   return [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]

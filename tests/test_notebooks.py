@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+from children import HANG_GUARD_S
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -19,7 +20,7 @@ def test_there_are_notebooks():
 def test_notebook_runs(path):
   notebook = nbformat.read(path, as_version=4)
   nbclient.NotebookClient(
-    notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    notebook, timeout=HANG_GUARD_S, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
   ).execute()
   errors = [
     out for cell in notebook.cells for out in cell.get("outputs", []) if out.get("output_type") == "error"

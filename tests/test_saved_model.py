@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from children import HANG_GUARD_S
 from flax import nnx
 from oracle import mesh_of
 from tower import ADAM, FEATURES, IDS, Model, predict, train_step
@@ -73,7 +74,7 @@ def _serve(path, name, inputs, tmp_path, script=SERVE_JAXRES, block=(__name__, "
   np.savez(data, **inputs)
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
   command = [sys.executable, "-c", script, ",".join(block), str(path), str(data), str(out), name]
-  done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+  done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=HANG_GUARD_S)
   assert done.returncode == 0, done.stderr[-3000:]
   return dict(np.load(out))
 

@@ -80,7 +80,12 @@ class RowOptimizer:
       raise ValueError(f"optimizer: its updates have shape {updates.shape}, expected ({features},).")
     slots = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves)
     optimizer_ = cls(optimizer, features, treedef, slots)
-    optimizer_._check_elementwise()
+    if not _elementwise(optimizer_):
+      raise ValueError(
+        "optimizer: the update of an element depends on other elements of its row (a norm clip or a "
+        "normalisation); jr.DynamicEmbedding takes elementwise transformations (sgd, adam, adagrad, "
+        "rmsprop, lion, clip, chains of them)."
+      )
     return optimizer_
 
   @functools.cached_property
@@ -98,19 +103,6 @@ class RowOptimizer:
 
   def __repr__(self) -> str:  # not the transformation's functions and tree structure
     return f"RowOptimizer({self.name}, features={self.features})"
-
-  def _check_elementwise(self) -> None:
-    """Raises ``ValueError`` when an element's update depends on other elements of its row."""
-    with jax.ensure_compile_time_eval():  # concrete under a trace too (nnx.eval_shape of a model)
-      probe = jnp.linspace(-3.0, 5.0, self.features, dtype=jnp.float32)  # large: norm clips engage
-      state = self.transformation.init(probe)
-      jacobian = np.asarray(jax.jacfwd(lambda g: self.transformation.update(g, state, probe)[0])(probe * 10))
-    if np.any(jacobian[~np.eye(self.features, dtype=bool)] != 0):
-      raise ValueError(
-        "optimizer: the update of an element depends on other elements of its row (a norm clip or a "
-        "normalisation); jr.DynamicEmbedding takes elementwise transformations (sgd, adam, adagrad, "
-        "rmsprop, lion, clip, chains of them)."
-      )
 
   def __eq__(self, other) -> bool:
     return isinstance(other, RowOptimizer) and self._key == other._key
@@ -149,6 +141,23 @@ def _named_states(state) -> list[str]:
   own = hasattr(state, "_fields") and any(isinstance(x, jax.ShapeDtypeStruct) for x in state)
   name = re.sub(r"(?<!^)(?=[A-Z])", "_", type(state).__name__.removesuffix("State")).lower()
   return [name] * own + [name for value in state for name in _named_states(value)]
+
+
+@functools.lru_cache(maxsize=64)  # by RowOptimizer's equality: one check per optimizer built alike and width
+def _elementwise(optimizer: RowOptimizer) -> bool:
+  """Whether no element's update depends on other elements of its row (a norm clip's does): the
+  update's Jacobian at a probe row, computed by one compiled program (eagerly, each of its
+  operations would compile one)."""
+  transformation, features = optimizer.transformation, optimizer.features
+
+  def jacobian(probe):
+    state = transformation.init(probe)
+    return jax.jacfwd(lambda g: transformation.update(g, state, probe)[0])(probe * 10)
+
+  probe = np.linspace(-3.0, 5.0, features, dtype=np.float32)  # large: norm clips engage
+  with jax.ensure_compile_time_eval():  # concrete under a trace too (nnx.eval_shape of a model)
+    values = np.asarray(jax.jit(jacobian)(probe))
+  return not np.any(values[~np.eye(features, dtype=bool)] != 0)
 
 
 def for_rows(optimizer, features: int):
