@@ -178,13 +178,17 @@ def evaluate_and_serve(run: Run, path: str, steps: int) -> bool:
 
 
 def _answers_alike(served, model, held_out: ClickStream, steps: int) -> bool:
-  """Whether ``served`` answers requests of 1, 7 and 64 held-out examples bit for bit as ``model``."""
+  """Whether ``served`` answers requests of 1, 7 and 64 held-out examples bit for bit as ``model``
+  (on the batch as served: 7 padded with zero rows to the batch size 16)."""
   model.eval()
   same = True
+  signature = served.signatures["serving_default"]
   for size in (1, 7, 64):
     ids = held_out.batch(steps + size).ids[:size]
-    answer = np.asarray(served.signatures["serving_default"](ids=ids)["probability"])
-    expected = np.asarray(_predict(model, jr.keys.split64(ids))["probability"])
+    answer = np.asarray(signature(ids=ids)["probability"])
+    padded = min(b for b in signature.batch_sizes if b >= size)
+    ids = np.concatenate([ids, np.zeros((padded - size, ids.shape[1]), ids.dtype)])
+    expected = np.asarray(_predict(model, jr.keys.split64(ids))["probability"])[:size]
     same &= answer.tobytes() == expected.tobytes()
   model.train()
   return same

@@ -213,7 +213,9 @@ def load(path, *, batch_sizes=BATCH_SIZES, precompile: bool = True) -> LoadedMod
   of ``batch_sizes`` that holds it and the results are cut back; a request
   larger than the largest size runs in chunks of the largest. Each output
   row must depend only on the same row of the inputs (as for a batch of
-  independent requests); the results then equal an unpadded run's.
+  independent requests): the results are then the function's on the padded
+  batch, and a run's at the exact size up to float rounding (XLA may round
+  a float op of one shape differently from another's).
 
   Args:
     path: a directory :func:`save` wrote.

@@ -1,8 +1,11 @@
 """Served signatures pad each request's batch to a few compiled batch sizes: no compile per size.
 
 Requests of many sizes (empty, bucket edges, between them, above the largest)
-must answer bit for bit as the original function on the unpadded batch, and
-no program may be compiled after load: counted with ``jax.monitoring``'s
+must answer bit for bit as the original function on the batch as served
+(padded with zero rows, in chunks of the largest size), and as it on the
+unpadded batch up to float rounding (XLA may round a float op of one shape
+differently from another's; rows gathered without arithmetic are exact); no
+program may be compiled after load: counted with ``jax.monitoring``'s
 backend-compile events (and, for TensorFlow, with the XLA modules it dumps).
 """
 
@@ -70,18 +73,37 @@ def _request(rng, n, known):
   return {"ids": ids, "valid": rng.random(n) < 0.8, "hot": hot}
 
 
-def _expected(model, inputs):
-  """The original function on the unpadded batch (an empty one: a batch of one, cut; the model's
-  reshape takes no empty batch)."""
-  n = len(inputs["ids"])
-  if n == 0:
-    inputs = {k: np.zeros((1, *v.shape[1:]), v.dtype) for k, v in inputs.items()}
+def _as_served(inputs, sizes):
+  """The request as the served programs run it: chunks of the largest of ``sizes``, each padded with
+  zero rows to the smallest size that holds it; with each chunk's count of real rows."""
+  n, largest = len(inputs["ids"]), sizes[-1]
+  chunks = []
+  for start in range(0, max(n, 1), largest):
+    part = {k: v[start : start + largest] for k, v in inputs.items()}
+    rows = len(part["ids"])
+    size = min(b for b in sizes if b >= rows)
+    chunks.append(
+      (
+        {k: np.concatenate([v, np.zeros((size - rows, *v.shape[1:]), v.dtype)]) for k, v in part.items()},
+        rows,
+      )
+    )
+  return chunks
+
+
+def _expected(model, inputs, sizes=None):
+  """The original function on the request: unpadded (``sizes=None``), or as served with batch
+  ``sizes`` (each chunk padded, the results cut back and joined)."""
+  chunks = _as_served(inputs, sizes) if sizes else [(inputs, len(inputs["ids"]))]
   model.eval()
   try:
-    traced = {k: jr.keys.split64(v) if v.dtype == np.int64 else v for k, v in inputs.items()}
-    return {k: v[:n] for k, v in jax.device_get(nnx.jit(scored)(model, **traced)).items()}
+    outs = []
+    for chunk, rows in chunks:
+      traced = {k: jr.keys.split64(v) if v.dtype == np.int64 else v for k, v in chunk.items()}
+      outs.append({k: v[:rows] for k, v in jax.device_get(nnx.jit(scored)(model, **traced)).items()})
   finally:
     model.train()
+  return {k: np.concatenate([o[k] for o in outs]) for k in outs[0]}
 
 
 def _same_bits(a, b):
@@ -114,12 +136,15 @@ def test_every_size_answers_bitwise_and_nothing_compiles_after_load(exported):
     answers = {n: signature(**requests[n]) for n in SIZES}
     again = signature(**requests[5])  # the same request twice: the same answer
   assert not compiled
-  for n in SIZES:
-    expected = _expected(model, requests[n])
+  for n in SIZES:  # bitwise the function's on the padded batch; as unpadded but for float rounding
+    expected = _expected(model, requests[n], BUCKETS)
+    unpadded = _expected(model, requests[n]) if n else expected  # the model takes no empty batch
     assert sorted(answers[n]) == ["pooled", "rows", "score"]
     for name, value in answers[n].items():
       assert isinstance(value, jax.Array)
       _same_bits(value, expected[name])
+      np.testing.assert_allclose(value, unpadded[name], rtol=1e-6, atol=1e-7)
+    _same_bits(answers[n]["rows"], unpadded["rows"])  # no arithmetic: exact
   for name in again:
     _same_bits(again[name], answers[5][name])
   assert np.asarray(answers[40]["rows"]).any() and (np.asarray(answers[40]["score"]) == -1.0).any()
@@ -227,31 +252,49 @@ for size in (4, 16):  # warm up: one request per batch size
   signature(**zeros)
 warm = compiled()
 out = {}
-for n in map(int, sys.argv[4].split(",")):
+sizes = list(map(int, sys.argv[4].split(",")))
+for n in sizes:
   got = signature(**{k: tf.constant(v[:n]) for k, v in inputs.items()})
   out |= {f"{k}_{n}": v.numpy() for k, v in got.items()}
-np.savez(sys.argv[3], warm=warm, after=compiled() - warm, **out)
+after = compiled() - warm
+unpadded = tf.saved_model.load(sys.argv[5]).signatures["scored"]
+chunks = dict(np.load(sys.argv[6]))  # "<n>_<chunk>_<input>": the requests as padded
+for key in sorted({k.rsplit("_", 1)[0] for k in chunks}):
+  got = unpadded(**{name: tf.constant(chunks[f"{key}_{name}"]) for name in inputs})
+  out |= {f"unpadded_{key}_{k}": v.numpy() for k, v in got.items()}
+np.savez(sys.argv[3], warm=warm, after=after, **out)
 """
 
 
 def test_the_tensorflow_savedmodel_compiles_each_batch_size_once(exported, tmp_path):
   pytest.importorskip("tensorflow")
   model, _, known = exported
-  path = tmp_path / "tf"
+  path, unpadded = tmp_path / "tf", tmp_path / "tf_unpadded"
   jr.saved_model.save(model, path, {"scored": SCORED}, platforms=("cpu",), format="tf", batch_sizes=(4, 16))
+  jr.saved_model.save(model, unpadded, {"scored": SCORED}, platforms=("cpu",), format="tf", batch_sizes=None)
   sizes = (1, 4, 5, 16, 17, 40)
   inputs = _request(np.random.default_rng(5), max(sizes), known)
   np.savez(tmp_path / "in.npz", **inputs)
+  served = {n: _as_served({k: v[:n] for k, v in inputs.items()}, (4, 16)) for n in sizes}
+  chunks = {
+    f"{n}_{c}_{k}": v for n in sizes for c, (chunk, _) in enumerate(served[n]) for k, v in chunk.items()
+  }
+  np.savez(tmp_path / "chunks.npz", **chunks)
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_dump_to={tmp_path / 'dump'}"}
   command = [sys.executable, "-c", SERVE_TF, str(path), str(tmp_path / "in.npz"), str(tmp_path / "out.npz")]
   done = subprocess.run(
-    [*command, ",".join(map(str, sizes))], capture_output=True, text=True, env=env, timeout=600
+    [*command, ",".join(map(str, sizes)), str(unpadded), str(tmp_path / "chunks.npz")],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=600,
   )
   assert done.returncode == 0, done.stderr[-3000:]
   out = dict(np.load(tmp_path / "out.npz"))
   assert (int(out["warm"]), int(out["after"])) == (2, 0)
-  for n in sizes:  # TensorFlow's XLA may round a float op 1 ulp off JAX's (docs/measurements.md)
-    expected = _expected(model, {k: v[:n] for k, v in inputs.items()})
+  for n in sizes:  # bitwise the unpadded SavedModel's on the padded chunks; TensorFlow's XLA may
+    expected = _expected(model, {k: v[:n] for k, v in inputs.items()})  # round off JAX's in the last bits
     for name in ("score", "rows", "pooled"):
-      assert out[f"{name}_{n}"].shape == expected[name].shape
-      np.testing.assert_array_max_ulp(out[f"{name}_{n}"], expected[name], maxulp=1)
+      parts = [out[f"unpadded_{n}_{c}_{name}"][:rows] for c, (_, rows) in enumerate(served[n])]
+      _same_bits(out[f"{name}_{n}"], np.concatenate(parts))
+      np.testing.assert_allclose(out[f"{name}_{n}"], expected[name], rtol=1e-6, atol=1e-7)

@@ -18,6 +18,7 @@ independent requests does.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import numpy as np
@@ -61,7 +62,7 @@ def batch_dimension(inputs, out_dims: dict[str, list[str]]) -> str | None:
 
 def bucket(size: int, sizes: tuple[int, ...]) -> int:
   """The smallest of ``sizes`` that holds ``size`` rows (``size`` at most the largest)."""
-  return sizes[int(np.searchsorted(sizes, size))]
+  return sizes[bisect.bisect_left(sizes, size)]
 
 
 def chunks(size: int, largest: int) -> list[slice]:

@@ -23,10 +23,9 @@ class LoadedSignature:
   Each request's batch dimension (the named dimension every output starts
   with) is padded with zeros up to the smallest of :attr:`batch_sizes` that
   holds it, and the results are cut back: one compiled program per batch
-  size serves every request (results equal an unpadded run's, the padding
-  rows' results dropped). A request larger than the largest size runs in
-  chunks of the largest. Other named dimensions compile a program for each
-  size they take.
+  size serves every request (the padding rows' results dropped). A request
+  larger than the largest size runs in chunks of the largest. Other named
+  dimensions compile a program for each size they take.
   """
 
   def __init__(
@@ -80,16 +79,16 @@ class LoadedSignature:
     for i in self._inputs:
       i.check(inputs[i.name], sizes)
     args = [i.encode(inputs[i.name], self._max_length) for i in self._inputs]
-    if self._batch is None:
+    if self._batch is None or sizes[self._batch] <= self._batch_sizes[-1]:
       out = self._run(args, sizes)
-    else:
+    else:  # in chunks of the largest batch size
       parts = []
       for rows in buckets.chunks(sizes[self._batch], self._batch_sizes[-1]):
         chunk = [self._rows(i, x, rows) for i, x in zip(self._inputs, args, strict=True)]
         parts.append(self._run(chunk, sizes | {self._batch: rows.stop - rows.start}))
-      out = parts[0] if len(parts) == 1 else {k: self._joined(k, [p[k] for p in parts]) for k in self.outputs}
-    host = {k: v for k, v in out.items() if not isinstance(v, jax.Array)}
-    return out | jax.device_put(host)
+      out = {k: self._joined(k, [p[k] for p in parts]) for k in self.outputs}
+    host = {k: v for k, v in out.items() if not isinstance(v, jax.Array)}  # cut or joined
+    return out | jax.device_put(host) if host else out
 
   def _rows(self, i: Input, x: np.ndarray, rows: slice) -> np.ndarray:
     return buckets.take(x, i.dims.index(self._batch), rows) if self._batch in i.dims else x
