@@ -31,7 +31,7 @@ from pathlib import Path
 import jax
 
 from jaxres._core.storages.sorted_arrays import read_only
-from jaxres._serving import directory, program, served_state, updates
+from jaxres._serving import buckets, directory, program, served_state, updates
 from jaxres._serving.loaded import LoadedModel, LoadedSignature
 from jaxres._serving.signature import Input, Signature
 from jaxres._tracking.checkpoint import Checkpoint
@@ -39,6 +39,7 @@ from jaxres._tracking.checkpoint import Checkpoint
 __all__ = ["LoadedModel", "LoadedSignature", "Signature", "load", "save", "save_delta"]
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+BATCH_SIZES = buckets.DEFAULT  # a choice of batch_sizes (load; save with format 'tf'): 1, 4, 16, ..., 1024
 FORMATS = ("jaxres", "tf")
 
 
@@ -51,6 +52,7 @@ def save(
   format: str = "jaxres",
   updatable: bool = False,
   step: int | None = None,
+  batch_sizes=None,
 ) -> None:
   """Exports ``obj`` with its ``signatures`` to the directory ``path``.
 
@@ -73,6 +75,10 @@ def save(
       the directory still holds only the live entries (format ``"jaxres"``).
     step: with ``updatable``, the training step exported (deltas follow it;
       default 0).
+    batch_sizes: format ``"tf"``: the batch sizes each signature pads
+      requests to inside the SavedModel, as :func:`load` does (default
+      ``None``: no padding); TensorFlow compiles each on its first request.
+      Format ``"jaxres"`` takes them at :func:`load`.
 
   Raises:
     TypeError: bad arguments (naming them), or a signature that changes the
@@ -103,6 +109,9 @@ def save(
   if step is not None and not updatable:
     raise ValueError("step: only an updatable export (updatable=True) records the step deltas follow.")
   step = _check_step(0 if step is None else step)
+  batch_sizes = buckets.check(batch_sizes)
+  if format == "jaxres" and batch_sizes is not None:
+    raise ValueError("batch_sizes: a 'jaxres' export takes them at load (jr.saved_model.load).")
   recorder = updates.Recorder() if updatable else None
   state = served_state.split(served_state.serving_copy(obj, recorder or read_only))
   leaves, names, _ = state
@@ -117,7 +126,7 @@ def save(
   if format == "tf":
     from jaxres._serving import tf_savedmodel  # imports TensorFlow: only for this format
 
-    tf_savedmodel.write(path, signatures, programs, position, state, checkpoint)
+    tf_savedmodel.write(path, signatures, programs, position, state, checkpoint, batch_sizes)
     return
   manifest = {
     "platforms": list(platforms),
@@ -195,11 +204,33 @@ def _check_step(step) -> int:
   return step
 
 
-def load(path) -> LoadedModel:
+def load(path, *, batch_sizes=None, precompile: bool = True) -> LoadedModel:
   """The saved model at ``path`` (format ``"jaxres"``): ``load(path).signatures[name](**inputs)``.
+
+  By default a signature runs its program at each request's own shape:
+  results equal the original function's at that shape, bitwise, and XLA
+  compiles a program the first time each batch size comes (0.5-1 s). With
+  ``batch_sizes`` (e.g. :data:`BATCH_SIZES`: 1, 4, 16, 64, 256, 1024), each
+  request's batch dimension (the named dimension every output of a
+  signature starts with) is padded with zeros up to the smallest size that
+  holds it and the results are cut back; a request larger than the largest
+  size runs in chunks of the largest. No request then waits for a compile,
+  but each output row must depend only on the same row of the inputs (as
+  for a batch of independent requests), and the results are the function's
+  on the padded batch: equal to a run at the exact size up to float rounding
+  (XLA may round a float op of one shape differently from another's), so
+  padding is opt-in.
 
   Args:
     path: a directory :func:`save` wrote.
+    batch_sizes: the batch sizes requests are padded to, each compiled once
+      (:data:`BATCH_SIZES`: 1, 4, 16, 64, 256 and 1024, so that a request
+      runs fewer than 4 times its rows); default ``None``: no padding, each
+      batch size compiles a program of its own on first use.
+    precompile: compile each batch size's program now (default), so that no
+      request waits for a compilation; ``False``: each on its first use. A
+      signature with other named dimensions compiles on first use of each
+      of their sizes.
 
   Returns:
     The model, whose ``signatures`` call the saved programs by input name.
@@ -211,14 +242,24 @@ def load(path) -> LoadedModel:
     >>> jr.saved_model.save(jr.AutoTrackable(), path, {"twice": twice})
     >>> jr.saved_model.load(path).signatures["twice"](x=np.ones(2, np.float32))["output"].tolist()
     [2.0, 2.0]
+    >>> rows = jr.saved_model.Signature(lambda obj, x: x + 1, x=jax.ShapeDtypeStruct(("batch", 2), np.int32))
+    >>> jr.saved_model.save(jr.AutoTrackable(), path, {"rows": rows})
+    >>> served = jr.saved_model.load(path, batch_sizes=(8, 64)).signatures["rows"]  # two programs compiled
+    >>> served.batch_sizes, served(x=np.ones((3, 2), np.int32))["output"].shape  # 3 rows run as 8
+    ((8, 64), (3, 2))
 
   Raises:
-    TypeError: ``path`` is not a path.
-    ValueError: naming ``path``: missing, not a jaxres saved model, a newer
-      format version, damaged, or lowered for none of this process's platforms.
+    TypeError: ``path`` is not a path; ``batch_sizes`` is not a sequence of
+      ints or ``None``; ``precompile`` is not a bool.
+    ValueError: a batch size out of ``[1, 2**20]`` or repeated; naming
+      ``path``: missing, not a jaxres saved model, a newer format version,
+      damaged, or lowered for none of this process's platforms.
   """
   if not isinstance(path, (str, os.PathLike)):
     raise TypeError(f"path: expected a directory path, got {type(path).__name__}.")
+  batch_sizes = buckets.check(batch_sizes)
+  if not isinstance(precompile, bool):
+    raise TypeError(f"precompile: expected a bool, got {precompile!r}.")
   path = Path(path)
   manifest, blobs, stored = directory.read(path)
   platform = jax.default_backend()
@@ -235,12 +276,12 @@ def load(path) -> LoadedModel:
         if takes.setdefault(k, aval) != aval:
           raise ValueError(f"programs take state {k} in two shapes")
       signatures[entry["name"]] = LoadedSignature(
-        entry["name"], inputs, entry["outputs"], entry["max_length"], exported, places
+        entry["name"], inputs, entry["outputs"], entry["max_length"], exported, places, batch_sizes
       )
   except (KeyError, TypeError, ValueError, IndexError) as err:
     raise ValueError(f"{path}: corrupted saved model ({err}).") from None
   state = directory.padded(path, manifest, stored, takes)
-  return LoadedModel(path, signatures, platforms, state, manifest.get("updates"))
+  return LoadedModel(path, signatures, platforms, state, manifest.get("updates"), precompile)
 
 
 def _check_signatures(signatures) -> dict[str, Signature]:

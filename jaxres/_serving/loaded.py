@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxres._serving import updates
+from jaxres._serving import buckets, updates
 from jaxres._serving.signature import Input
 
 
@@ -19,6 +19,14 @@ class LoadedSignature:
   dimension takes any size, the same in every input naming it), then passed
   in the form the program was traced with (64-bit integers as word pairs with
   ``jax_enable_x64`` off, strings encoded).
+
+  Loaded with ``batch_sizes`` (see :func:`jaxres.saved_model.load`), each
+  request's batch dimension (the named dimension every output starts with)
+  is padded with zeros up to the smallest of :attr:`batch_sizes` that holds
+  it, and the results are cut back: one compiled program per batch
+  size serves every request (the padding rows' results dropped). A request
+  larger than the largest size runs in chunks of the largest. Other named
+  dimensions compile a program for each size they take.
 
   Attributes:
     name: the signature's name in the model's ``signatures``.
@@ -40,7 +48,14 @@ class LoadedSignature:
   """
 
   def __init__(
-    self, name: str, inputs: tuple[Input, ...], outputs: list[str], max_length: int, exported, places
+    self,
+    name: str,
+    inputs: tuple[Input, ...],
+    outputs: list[str],
+    max_length: int,
+    exported,
+    places,
+    batch_sizes: tuple[int, ...] | None = None,
   ):
     self.name = name
     self.outputs = list(outputs)
@@ -49,14 +64,24 @@ class LoadedSignature:
     self._places = list(places)  # which arrays of the serving state the program takes, in order
     self._state: list = []
     self._call = jax.jit(exported.call)
+    self._programs: dict[tuple[int, ...], jax.stages.Compiled] = {}  # by the sizes of ``_dims``
+    self._dims = sorted({d for i in inputs for d in i.dims if isinstance(d, str)})
     self._out_dims = {
       k: [str(d) for d in a.shape] for k, a in zip(self.outputs, exported.out_avals, strict=True)
     }
+    self._batch = buckets.batch_dimension(inputs, self._out_dims) if batch_sizes else None
+    self._batch_sizes = batch_sizes if self._batch else None
 
   @property
   def inputs(self) -> dict[str, jax.ShapeDtypeStruct]:
     """``{name: jax.ShapeDtypeStruct}``: the inputs as callers give them (named dimensions as names)."""
     return {i.name: i.spec() for i in self._inputs}
+
+  @property
+  def batch_sizes(self) -> tuple[int, ...] | None:
+    """The batch sizes requests are padded to; ``None`` where each size runs a program of its own
+    (loaded with ``batch_sizes=None``, or no named dimension that every output starts with)."""
+    return self._batch_sizes
 
   def __call__(self, **inputs) -> dict[str, jax.Array]:
     """The signature's outputs for ``inputs``.
@@ -72,27 +97,64 @@ class LoadedSignature:
     sizes: dict[str, int] = {}
     for i in self._inputs:
       i.check(inputs[i.name], sizes)
-    empty = sorted(d for d, size in sizes.items() if size == 0)
-    if empty:  # a program's named dimensions are at least 1: run a batch of one, keep none of it
-      return self._empty(inputs, empty)
     args = [i.encode(inputs[i.name], self._max_length) for i in self._inputs]
-    return self._call(self._state, args)
+    if self._batch is None or sizes[self._batch] <= self._batch_sizes[-1]:
+      out = self._run(args, sizes)
+    else:  # in chunks of the largest batch size
+      parts = []
+      for rows in buckets.chunks(sizes[self._batch], self._batch_sizes[-1]):
+        chunk = [self._rows(i, x, rows) for i, x in zip(self._inputs, args, strict=True)]
+        parts.append(self._run(chunk, sizes | {self._batch: rows.stop - rows.start}))
+      out = {k: self._joined(k, [p[k] for p in parts]) for k in self.outputs}
+    host = {k: v for k, v in out.items() if not isinstance(v, jax.Array)}  # cut or joined
+    return out | jax.device_put(host) if host else out
+
+  def _rows(self, i: Input, x: np.ndarray, rows: slice) -> np.ndarray:
+    return buckets.take(x, i.dims.index(self._batch), rows) if self._batch in i.dims else x
+
+  def _joined(self, name: str, parts: list) -> np.ndarray:
+    return np.concatenate([np.asarray(p) for p in parts], axis=self._out_dims[name].index(self._batch))
+
+  def _run(self, args: list[np.ndarray], sizes: dict[str, int]) -> dict:
+    """The outputs for ``args`` of named ``sizes``: padded to a compiled program's, cut back on the host."""
+    target = {d: max(size, 1) for d, size in sizes.items()}  # a program's named dimensions are at least 1
+    if self._batch is not None:
+      target[self._batch] = buckets.bucket(sizes[self._batch], self._batch_sizes)
+    padded = {d for d in sizes if target[d] != sizes[d]}
+    for k, i in enumerate(self._inputs):
+      for axis, d in enumerate(i.dims):
+        if d in padded:
+          args[k] = buckets.pad(args[k], axis, target[d])
+    out = self._program(tuple(target[d] for d in self._dims))(self._state, args)
+    if not padded:
+      return out
+    out = jax.device_get(out)
+    return {
+      k: v[tuple(slice(0, sizes[d]) if d in padded else slice(None) for d in self._out_dims[k])]
+      for k, v in out.items()
+    }
+
+  def _program(self, key: tuple[int, ...]) -> jax.stages.Compiled:
+    """The program compiled for the named dimensions' sizes ``key`` (compiled now if it is not yet)."""
+    program = self._programs.get(key)
+    if program is None:
+      sizes = dict(zip(self._dims, key))
+      state = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self._state]
+      args = [i.traced(sizes, self._max_length) for i in self._inputs]
+      program = self._programs[key] = self._call.lower(state, args).compile()
+    return program
+
+  def _precompile(self) -> None:
+    """Compiles the programs whose sizes are known now: each batch size's, or the one of fixed shapes."""
+    if not self._dims:
+      self._program(())
+    elif self._dims == [self._batch]:
+      for size in self._batch_sizes:
+        self._program((size,))
 
   def _take(self, state: list) -> None:
     """Reads its arrays from the serving ``state`` (device arrays), as :class:`LoadedModel` holds it."""
     self._state = [state[k] for k in self._places]
-
-  def _empty(self, inputs: dict, empty: list[str]) -> dict[str, jax.Array]:
-    padded = {}
-    for i in self._inputs:
-      shape = [1 if d in empty else size for d, size in zip(i.dims, np.shape(inputs[i.name]))]
-      padded[i.name] = np.full(shape, "", object) if i.is_string else np.zeros(shape, i.dtype)
-    out = self(**padded)
-    cut = {}
-    for name, value in out.items():
-      index = tuple(slice(0, 0) if d in empty else slice(None) for d in self._out_dims[name])
-      cut[name] = value[index]
-    return cut
 
   def __repr__(self) -> str:
     return f"LoadedSignature({self.name!r}, inputs={self.inputs})"
@@ -131,6 +193,7 @@ class LoadedModel:
     platforms: tuple[str, ...],
     state: list[np.ndarray],
     lineage: dict | None,
+    precompile: bool = True,
   ):
     self.path = path
     self.signatures = signatures
@@ -141,6 +204,8 @@ class LoadedModel:
     self._lineage = lineage
     for signature in signatures.values():
       signature._take(self._device)
+      if precompile:
+        signature._precompile()
 
   @property
   def step(self) -> int | None:
