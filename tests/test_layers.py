@@ -40,6 +40,7 @@ LAYERS = {
 CONFINED = {
   "flax": {
     "jaxres._shell.resource",
+    "jaxres._shell.donation",  # the nnx.Variable of tables, warning when nnx.jit copies one
     "jaxres._integrations.nnx",
     "jaxres._nn.embedding",
     "jaxres._nn.collection",  # an nnx.Module of embeddings

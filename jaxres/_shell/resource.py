@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from jaxres._core.pytrees import leaf_names
-from jaxres._integrations.donation import TableVariable
+from jaxres._shell.donation import TableVariable
 from jaxres._shell.trackable import Commit, Trackable
 
 
