@@ -21,7 +21,6 @@ from jaxres._core.table import RowHandles as RowHandles
 from jaxres._core.table import Table as Table
 from jaxres._errors import KeysLostError as KeysLostError
 from jaxres._integrations import nnx as _nnx  # noqa: F401  (registers the NNX checkpoint adapters)
-from jaxres._shell.donation import TableCopyWarning as TableCopyWarning
 from jaxres._nn import embedding_handles as _embedding_handles  # noqa: F401  (registers the rows' adapters)
 from jaxres._nn.catch_up import CatchUpAdam as CatchUpAdam
 from jaxres._nn.collection import EmbeddingCollection as EmbeddingCollection
@@ -30,6 +29,7 @@ from jaxres._nn.collection import TableConfig as TableConfig
 from jaxres._nn.embedding import DynamicEmbedding as DynamicEmbedding
 from jaxres._nn.row_gradients import grad as grad
 from jaxres._nn.row_gradients import value_and_grad as value_and_grad
+from jaxres._shell.donation import TableCopyWarning as TableCopyWarning
 from jaxres._shell.initializers import KeyValueInitializer as KeyValueInitializer
 from jaxres._shell.initializers import TextFileIndex as TextFileIndex
 from jaxres._shell.initializers import TextFileInitializer as TextFileInitializer

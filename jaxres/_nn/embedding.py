@@ -19,10 +19,10 @@ from jaxres._core.sharding.sharded_table import ShardedTable
 from jaxres._core.storages.open_addressing import OpenAddressingTable
 from jaxres._core.table import check_capacity
 from jaxres._errors import check_int
-from jaxres._shell.donation import TableVariable
 from jaxres._nn import admission, counters, embedding_steps, pooling, row_gradients, rowwise
 from jaxres._nn.embedding_steps import Spec, replicated
 from jaxres._nn.row_gradients import Lookup
+from jaxres._shell.donation import TableVariable
 from jaxres._shell.table_codecs import KeyCodec, is_string_dtype
 
 _INITIALIZER = nnx.initializers.normal(0.01)
