@@ -53,8 +53,9 @@ class TableVariable(nnx.Variable):
   """
 
   def set_raw_value(self, value, **kwargs):
-    warn_if_copied(self, self.get_raw_value(), value)
-    super().set_raw_value(value, **kwargs)
+    old = self.get_raw_value()
+    super().set_raw_value(value, **kwargs)  # first: a warning turned into an error loses no update
+    warn_if_copied(self, old, value)
 
 
 def warn_if_copied(variable: nnx.Variable, old, new) -> None:
