@@ -14,6 +14,13 @@ import jaxres as jr
 STORAGES = [jr.OpenAddressingTable, jr.SortedTable]
 
 
+def same_bits(a, b):
+  """Asserts that two arrays are equal bit for bit (dtype, shape and bytes)."""
+  a, b = np.asarray(a), np.asarray(b)
+  assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
+  assert a.tobytes() == b.tobytes()
+
+
 def mesh_of(num_devices: int, axis: str = "shard"):
   return jax.make_mesh((num_devices,), (axis,), devices=jax.devices()[:num_devices])
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from children import HANG_GUARD_S
 from flax import nnx
-from oracle import mesh_of
+from oracle import mesh_of, same_bits
 from tower import ADAM, FEATURES, IDS, Model, predict, train_step
 
 import jaxres as jr
@@ -79,12 +79,6 @@ def _serve(path, name, inputs, tmp_path, script=SERVE_JAXRES, block=(__name__, "
   return dict(np.load(out))
 
 
-def _same_bits(a, b):
-  a, b = np.asarray(a), np.asarray(b)
-  assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
-  assert a.tobytes() == b.tobytes()
-
-
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
   model = _trained()
@@ -142,7 +136,7 @@ def test_served_outputs_equal_the_function_bitwise(exported, tmp_path):
     ):
       assert sorted(got) == ["rows", "score"]
       for name in got:
-        _same_bits(got[name], expected[name])
+        same_bits(got[name], expected[name])
   assert np.asarray(expected["rows"]).any() and np.abs(ids).max() > 2**32
   model.train()
 
@@ -164,7 +158,7 @@ def test_variables_are_the_training_checkpoint(exported):
   model, path = exported
   fresh = Model()
   jr.Checkpoint(model=fresh).restore(path / "variables").assert_consumed()
-  _same_bits(fresh.emb.export()[1], model.emb.export()[1])
+  same_bits(fresh.emb.export()[1], model.emb.export()[1])
 
 
 def test_strings_in_and_int64_out(tmp_path):
@@ -176,7 +170,7 @@ def test_strings_in_and_int64_out(tmp_path):
   queries = np.array(["kiwi", "zzz", "apple", "Äpfel"])
   got = _serve(tmp_path / "vocab", "ids", {"word": queries}, tmp_path)["id"]
   expected = jax.jit(lambda w: vocab.find(w))(jr.keys.encode_strings(queries.tolist(), 64))
-  _same_bits(got, expected)
+  same_bits(got, expected)
   assert jr.keys.join64(got, np.int64).tolist()[0] == 2**40 + 2
   loaded = jr.saved_model.load(tmp_path / "vocab").signatures["ids"]
   with pytest.raises(TypeError, match="word"):
@@ -204,7 +198,7 @@ def test_an_autotrackable_of_tables_and_arrays(tmp_path):
   ids = np.array([5, 2**40, 7])
   got = _serve(tmp_path / "root", "score", {"ids": ids}, tmp_path)["output"]
   assert got.tolist() == [3.25, 5.0, -2.0]
-  _same_bits(got, jax.jit(root.score)(jr.keys.split64(ids)))
+  same_bits(got, jax.jit(root.score)(jr.keys.split64(ids)))
   assert len(root.table) == 2  # the object itself is untouched
 
 
@@ -287,7 +281,7 @@ def test_the_tensorflow_savedmodel_serves_without_jax(exported, tmp_path):
     path, "serving_default", {"ids": ids}, tmp_path, SERVE_TF, ("jax", "jaxlib", "jaxres", __name__)
   )
   for name in ("rows", "score"):
-    _same_bits(got[name], expected[name])
+    same_bits(got[name], expected[name])
   model.train()
   words = ["apple", "banana"]
   vocab = jr.StaticVocabularyTable(jr.KeyValueInitializer(words, np.array([4, 2**40], np.int64)), 2)
@@ -298,7 +292,7 @@ def test_the_tensorflow_savedmodel_serves_without_jax(exported, tmp_path):
   queries = np.array(["banana", "zz", "apple"])
   got = _serve(tmp_path / "tfv", "ids", {"w": queries}, tmp_path, SERVE_TF, ("jax", "jaxlib", "jaxres"))["id"]
   expected = jax.jit(vocab.find)(jr.keys.encode_strings(queries.tolist(), 16))
-  _same_bits(got, expected)
+  same_bits(got, expected)
 
 
 def test_the_loaded_signature_checks_its_inputs(exported):

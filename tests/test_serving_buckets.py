@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from oracle import same_bits
 from tower import IDS, Model, predict
 
 import jaxres as jr
@@ -106,12 +107,6 @@ def _expected(model, inputs, sizes=None):
   return {k: np.concatenate([o[k] for o in outs]) for k in outs[0]}
 
 
-def _same_bits(a, b):
-  a, b = np.asarray(a), np.asarray(b)
-  assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
-  assert a.tobytes() == b.tobytes()
-
-
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
   model = _trained()
@@ -142,11 +137,11 @@ def test_every_size_answers_bitwise_and_nothing_compiles_after_load(exported):
     assert sorted(answers[n]) == ["pooled", "rows", "score"]
     for name, value in answers[n].items():
       assert isinstance(value, jax.Array)
-      _same_bits(value, expected[name])
+      same_bits(value, expected[name])
       np.testing.assert_allclose(value, unpadded[name], rtol=1e-6, atol=1e-7)
-    _same_bits(answers[n]["rows"], unpadded["rows"])  # no arithmetic: exact
+    same_bits(answers[n]["rows"], unpadded["rows"])  # no arithmetic: exact
   for name in again:
-    _same_bits(again[name], answers[5][name])
+    same_bits(again[name], answers[5][name])
   assert np.asarray(answers[40]["rows"]).any() and (np.asarray(answers[40]["score"]) == -1.0).any()
 
 
@@ -209,7 +204,7 @@ def test_string_ids_are_padded_as_empty_strings(tmp_path):
     answers = [signature(w=np.array(query, object))["id"] for query in queries]
   assert not compiled
   for query, got in zip(queries, answers):
-    _same_bits(got, jax.jit(vocab.find)(jr.keys.encode_strings(query, 8)))
+    same_bits(got, jax.jit(vocab.find)(jr.keys.encode_strings(query, 8)))
   empty = np.asarray(jr.keys.split64(np.array([2**40]))).tolist()  # the empty string's id, as words
   assert answers[-1].tolist().count(empty[0]) == queries[-1].count("") > 0  # a key like any other
 
@@ -297,5 +292,5 @@ def test_the_tensorflow_savedmodel_compiles_each_batch_size_once(exported, tmp_p
     expected = _expected(model, {k: v[:n] for k, v in inputs.items()})  # round off JAX's in the last bits
     for name in ("score", "rows", "pooled"):
       parts = [out[f"unpadded_{n}_{c}_{name}"][:rows] for c, (_, rows) in enumerate(served[n])]
-      _same_bits(out[f"{name}_{n}"], np.concatenate(parts))
+      same_bits(out[f"{name}_{n}"], np.concatenate(parts))
       np.testing.assert_allclose(out[f"{name}_{n}"], expected[name], rtol=1e-6, atol=1e-7)
