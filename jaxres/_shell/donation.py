@@ -25,7 +25,9 @@ class TableCopyWarning(UserWarning):
   Raised once per table (by the ``warnings`` module's registry) when
   ``nnx.jit`` hands back a table in a new buffer while the old one is still
   alive. Donate the arguments that hold models and optimizers:
-  ``nnx.jit(step, donate_argnums=(0, 1))``. To silence it instead:
+  ``nnx.jit(step, donate_argnums=(0, 1))``. Donated, it still appears when
+  something else holds the table's buffer: on CPU ``np.asarray`` of one of its
+  arrays is a view that pins it (take ``np.array``, a copy). To silence it:
   ``warnings.filterwarnings("ignore", category=jr.TableCopyWarning)``.
 
   Examples:
