@@ -7,14 +7,17 @@ modules moved into sub-packages, so its manifests name the old module paths) wit
 updates (``rows.npy``).
 """
 
+import json
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import jaxres as jr
+from tests import old_layout
 
 DATA = Path(__file__).parent / "data" / "written_by_182ee53"
 
@@ -74,3 +77,29 @@ def test_the_same_graph_written_today_restores_to_the_same_rows(tmp_path):
   root = build()
   jr.Checkpoint(root=root).restore(str(tmp_path / "ckpt")).assert_consumed()
   check(root)
+
+
+# Checkpoints of the bucket layout before the slot became the row (written by 1711f00 with
+# tests/old_layout.py): every table restores exactly, onto 1, 2 and 4 devices.
+LAYOUT = Path(__file__).parent / "data" / "written_by_1711f00"
+
+
+def _expected(name: str) -> dict:
+  with open(LAYOUT / f"entries-{name}.json", encoding="utf-8") as f:
+    return json.load(f)
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4])
+def test_a_checkpoint_of_the_bucket_layout_restores_exactly(devices):
+  root = old_layout.build(devices)
+  jr.Checkpoint(root=root).restore(str(LAYOUT / "ckpt")).assert_consumed()
+  assert old_layout.entries(root) == _expected("ckpt")
+
+
+@pytest.mark.parametrize("step", [1, 2])
+def test_full_and_incremental_steps_of_the_bucket_layout_restore_exactly(step):
+  root = old_layout.build(2)
+  manager = jr.CheckpointManager(str(LAYOUT / "steps"), jr.Checkpoint(root=root), incremental=True)
+  manager.restore(step).assert_consumed()
+  manager.close()
+  assert old_layout.entries(root) == _expected(str(step))
