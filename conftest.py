@@ -15,6 +15,7 @@ Tests marked ``slow`` start first, and XLA compiles with fewer optimisations
 
 from __future__ import annotations
 
+import collections
 import os
 import tempfile
 
@@ -35,6 +36,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
+import jax.monitoring  # noqa: E402
 import pytest  # noqa: E402
 
 # Sharded tables are tested on 8 CPU devices (set before any backend starts).
@@ -57,7 +59,7 @@ def _mapped_regions() -> int:
     return sum(1 for _ in f)
 
 
-def pytest_runtest_teardown(item):
+def _drop_caches_near_the_map_limit():
   if _MAP_LIMIT is not None and _mapped_regions() > _MAP_LIMIT * 3 // 4:
     jax.clear_caches()
 
@@ -78,3 +80,63 @@ def pytest_collection_modifyitems(items):
   for item in items:
     if isinstance(item, pytest.DoctestItem):
       item.add_marker(pytest.mark.filterwarnings(COPY_IS_AN_ERROR))
+
+
+# Where the suite's time goes: beside pytest's --durations (the README's command prints the 15
+# slowest tests), the seconds each test spent tracing, lowering and compiling JAX programs, from
+# jax.monitoring's events. A test's tear-down report carries them to the xdist controller, which
+# prints the total and the tests that compiled the most. A compile that JAX's persistent cache
+# answers counts only its trace, lowering and cache read.
+_COMPILE_EVENTS = {
+  "/jax/core/compile/jaxpr_trace_duration": "trace",
+  "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+  "/jax/core/compile/backend_compile_duration": "compile",
+}
+_compile_seconds = collections.Counter()
+_COMPILE_PROPERTY = "jax_compile_s"
+
+
+def _on_duration(event: str, duration: float, **_) -> None:
+  if event in _COMPILE_EVENTS:
+    _compile_seconds[_COMPILE_EVENTS[event]] += duration
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+_compile_start = pytest.StashKey[collections.Counter]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+  item.stash[_compile_start] = collections.Counter(_compile_seconds)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+  try:
+    return (yield)
+  finally:
+    _drop_caches_near_the_map_limit()
+    spent = collections.Counter(_compile_seconds)
+    spent.subtract(item.stash.get(_compile_start, collections.Counter()))
+    item.user_properties.append((_COMPILE_PROPERTY, {k: round(v, 3) for k, v in spent.items() if v > 0}))
+
+
+def pytest_terminal_summary(terminalreporter):
+  per_test = collections.defaultdict(collections.Counter)
+  for reports in terminalreporter.stats.values():
+    for report in reports:
+      for name, value in getattr(report, "user_properties", ()):
+        if name == _COMPILE_PROPERTY:
+          per_test[report.nodeid].update(value)
+  if not per_test:
+    return
+  total = collections.Counter()
+  for spent in per_test.values():
+    total.update(spent)
+  phases = ", ".join(f"{phase} {total[phase]:.0f} s" for phase in ("trace", "lower", "compile"))
+  terminalreporter.write_sep("=", f"JAX compile time: {sum(total.values()):.0f} s in tests ({phases})")
+  ranked = sorted(per_test.items(), key=lambda kv: -sum(kv[1].values()))[:15]
+  for nodeid, spent in ranked:
+    terminalreporter.write_line(f"{sum(spent.values()):8.2f}s {nodeid}")

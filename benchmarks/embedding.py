@@ -65,21 +65,32 @@ def run_peer(python: str, module: str, *args) -> dict:
   return json.loads(lines[-1])
 
 
-def measure(peer: str, python: str, stream: Path, capacity: int, warmup: int, steps: int) -> dict:
-  """One process of :mod:`benchmarks.step_peers` at one capacity: ``{capacity: us}`` or ``{"error": why}``."""
-  args = (peer, "--stream", stream, "--capacities", capacity, "--warmup", warmup, "--steps", steps)
+def measure(peer: str, python: str, stream: Path, capacities: list[int], warmup: int, steps: int) -> dict:
+  """One process of :mod:`benchmarks.step_peers`: ``{capacity: us}`` or ``{"error": why}``."""
+  capacities = ",".join(map(str, capacities))
+  args = (peer, "--stream", stream, "--capacities", capacities, "--warmup", warmup, "--steps", steps)
   figures = run_peer(python, "benchmarks.step_peers", *args)
   return {int(k) if k.isdigit() else k: v for k, v in figures.items()}
 
 
-def step_times(pythons: dict, peers: list[str], capacities: list[int], steps: int, runs: int) -> dict:
+def step_times(
+  pythons: dict,
+  peers: list[str],
+  capacities: list[int],
+  steps: int,
+  runs: int,
+  warmup: int = WARMUP,
+  one_process: bool = False,
+) -> dict:
   """``{peer: {capacity: us, "spread": {capacity: (lo, hi)}}}`` (or ``{"error": ...}``) over ``runs`` runs.
 
   Each peer measures each capacity in a process of its own, so that no table
   of one capacity shares a process (its memory, its caches, a framework's
-  global state) with another.
+  global state) with another; with ``one_process`` (a check of the harness),
+  all of them in one.
   """
-  accesses = (WARMUP + steps) * IDS
+  groups = [capacities] if one_process else [[c] for c in capacities]
+  accesses = (warmup + steps) * IDS
   ids = zipf_stream(np.random.default_rng(0), accesses, 1_000_000, a=1.05).reshape(-1, IDS)
   results = [{} for _ in range(runs)]
   with tempfile.TemporaryDirectory() as folder:
@@ -88,8 +99,8 @@ def step_times(pythons: dict, peers: list[str], capacities: list[int], steps: in
     for r in range(runs):
       for peer in peers[r % len(peers) :] + peers[: r % len(peers)]:
         figures = {}
-        for capacity in capacities:
-          figures.update(measure(peer, pythons[PEERS[peer][1]], stream, capacity, WARMUP, steps))
+        for group in groups:
+          figures.update(measure(peer, pythons[PEERS[peer][1]], stream, group, warmup, steps))
           if "error" in figures:
             break
         results[r][peer] = figures
@@ -142,7 +153,7 @@ def goals(times: dict, capacities: list[int]) -> list[tuple[str, str, bool]]:
   return rows
 
 
-def report(times: dict, capacities: list[int], steps: int, runs: int) -> str:
+def report(times: dict, capacities: list[int], steps: int, runs: int, warmup: int = WARMUP) -> str:
   columns = [f"2^{c.bit_length() - 1}" for c in capacities]
   lines = [
     f"## Training steps of {IDS} ids x 32 features, Adam: us per step",
@@ -163,7 +174,7 @@ def report(times: dict, capacities: list[int], steps: int, runs: int) -> str:
   lines += [
     "",
     f"Each figure: the median over {runs} runs (separate processes, each starting with another peer) of "
-    f"the median of {steps} timed steps after {WARMUP} warm-up steps; in parentheses the range of the "
+    f"the median of {steps} timed steps after {warmup} warm-up steps; in parentheses the range of the "
     "runs. Zipf(1.05) ids over 10^6 distinct int64 ids, a linear head, squared error; a step ends when "
     "its loss is on the host. Hashed rows: ids taken modulo the capacity (collisions share a row).",
   ]
@@ -189,8 +200,9 @@ def main(argv=None) -> None:
   if unknown or OURS not in peers:
     parser.error(f"--peers: expected jaxres and any of {sorted(PEERS)}, got {peers}")
   pythons = {"jax": sys.executable, "tfra": args.tfra_python, "torch": args.torch_python}
-  times = step_times(pythons, peers, capacities, args.steps, args.runs)
-  text = report(times, capacities, args.steps, args.runs)
+  warmup = WARMUP if full else 4  # below full scale a check of the harness: its table is full after one step
+  times = step_times(pythons, peers, capacities, args.steps, args.runs, warmup, one_process=not full)
+  text = report(times, capacities, args.steps, args.runs, warmup)
   print(text)
   if full:
     args.out.write_text(text + "\n")

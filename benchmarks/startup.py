@@ -27,6 +27,12 @@ those that took a second or more). The cache is on when
 
 ``--build`` also times the build of the CPU kernels as ``pip install`` does it
 (``setup.py build_ext``, into a temporary folder): minutes.
+
+``--quick`` (the test suite's check of the harness) starts each kind of process
+once and no untimed one: no warm-up imports (the first timed imports write the
+bytecode), no untimed process filling the every-program cache (the timed one
+fills it), and the export reads the cache the first step filled. Its figures
+are not those of the report.
 """
 
 from __future__ import annotations
@@ -244,40 +250,47 @@ def _child(stage: str, env: dict, **options) -> dict:
   return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _with_caches(stage: str, cache: str, bytecode: str, **options) -> dict:
+def _with_caches(stage: str, cache: str, bytecode: str, quick: bool = False, **options) -> dict:
   """``{kind: figure}`` of :data:`CACHES`: ``stage`` without the persistent cache, with ``cache``
-  empty, then filled by that run; and with a cache that a process (untimed) filled with every program."""
+  empty, then filled by that run; and with a cache that a process (untimed) filled with every program
+  (``quick``: the figure of the process that fills it)."""
   figures = {"off": _child(stage, _environment(bytecode), **options)}
   for kind in ("empty", "filled"):
     figures[kind] = _child(stage, _environment(bytecode, cache), **options)
   every = _environment(bytecode, cache + "-every", every_program=True)
-  _child(stage, every, **options)
+  if not quick:
+    _child(stage, every, **options)
   figures["filled, every program"] = _child(stage, every, **options)
   return figures
 
 
-def measure(runs: int, capacity: int, batch: int, formats: list[str]) -> dict:
-  """``{what: [one figure per run]}``, the runs alternating between what is compared."""
+def measure(runs: int, capacity: int, batch: int, formats: list[str], quick: bool = False) -> dict:
+  """``{what: [one figure per run]}``, the runs alternating between what is compared (``quick``: see
+  ``--quick`` in the module's description)."""
   out: dict[str, list] = {}
   add = lambda key, value: out.setdefault(key, []).append(value)
   with tempfile.TemporaryDirectory() as scratch:
     bytecode = os.path.join(scratch, "bytecode")  # every module's bytecode, written by the warm-up
     imports = {"dependencies": DEPENDENCIES, "without nnx": WITHOUT_NNX, "jaxres": "import jaxres"}
-    for statement in imports.values():
-      _child("import", _environment(bytecode), statement=statement)
+    if not quick:
+      for statement in imports.values():
+        _child("import", _environment(bytecode), statement=statement)
     for _ in range(runs):
       for what, statement in imports.items():
         add(f"import {what}", _child("import", _environment(bytecode), statement=statement))
-      add("bytecode", _child("bytecode", _environment(os.path.join(scratch, "unused"))))
+      # the figure is compile() alone; quick, the import before it reads the bytecode written above
+      elsewhere = bytecode if quick else os.path.join(scratch, "unused")
+      add("bytecode", _child("bytecode", _environment(elsewhere)))
     for run in range(runs):
       cache = os.path.join(scratch, f"cache-{run}")
-      for kind, figure in _with_caches("train", cache, bytecode, capacity=capacity, batch=batch).items():
+      trained = _with_caches("train", cache, bytecode, quick, capacity=capacity, batch=batch)
+      for kind, figure in trained.items():
         add(f"train {kind}", figure)
       export = os.path.join(scratch, f"export-{run}")
       options = {"capacity": capacity, "batch": batch, "folder": export, "formats": formats}
-      add("export", _child("export", _environment(bytecode), **options))
+      add("export", _child("export", _environment(bytecode, cache if quick else None), **options))
       serving = _with_caches(
-        "serve", os.path.join(scratch, f"serving-cache-{run}"), bytecode, folder=export, batch=batch
+        "serve", os.path.join(scratch, f"serving-cache-{run}"), bytecode, quick, folder=export, batch=batch
       )
       for kind, figure in serving.items():
         add(f"serve {kind}", figure)
@@ -387,6 +400,9 @@ def main(argv=None) -> None:
   parser.add_argument("--batch", type=int, default=256, help="examples per step and per request")
   parser.add_argument("--formats", default="jaxres,tf", help="export formats (tf: when TensorFlow imports)")
   parser.add_argument("--build", action="store_true", help="also time the kernels' build (minutes)")
+  parser.add_argument(
+    "--quick", action="store_true", help="each kind of process once, none untimed (a check of the harness)"
+  )
   parser.add_argument("--out", type=Path, default=RESULT)
   parser.add_argument("--measure", nargs=2, help=argparse.SUPPRESS)  # stage, options: one process's figure
   args = parser.parse_args(argv)
@@ -394,7 +410,7 @@ def main(argv=None) -> None:
     print(json.dumps(_measure(args.measure[0], json.loads(args.measure[1]))))
     return
   load = os.getloadavg()[0]
-  figures = measure(args.runs, args.capacity, args.batch, args.formats.split(","))
+  figures = measure(args.runs, args.capacity, args.batch, args.formats.split(","), args.quick)
   build = build_seconds() if args.build else None
   machine = f"{os.cpu_count()} CPUs, load average {load:.1f} before and {os.getloadavg()[0]:.1f} after"
   text = "# Time to a first result\n\n" + report(figures, args.capacity, args.batch, build, machine)

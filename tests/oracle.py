@@ -13,6 +13,13 @@ import jaxres as jr
 
 STORAGES = [jr.OpenAddressingTable, jr.SortedTable]
 
+# The shapes the oracle suites agree on (test_table, test_stateful): a table of CAPACITY entries
+# (below the keys they draw, so tables fill and drop keys) and batches of BATCH rows. Each
+# program is compiled once for all of them (in a worker, and through JAX's persistent cache in
+# the others); the XLA-path programs take seconds each.
+CAPACITY = 10
+BATCH = 8
+
 
 def same_bits(a, b):
   """Asserts that two arrays are equal bit for bit (dtype, shape and bytes)."""
@@ -258,7 +265,9 @@ def stateful_step(table, model: dict, op: str, keys, values, default) -> None:
     assert table.find(keys).tolist() == [model.get(k, default) for k in keys.tolist()]
 
 
-def run_random_operations(table, model: DictTable, rng: np.random.Generator, steps: int = 40, batch: int = 8):
+def run_random_operations(
+  table, model: DictTable, rng: np.random.Generator, steps: int = 40, batch: int = BATCH
+):
   """Random batches of every operation on ``table`` and ``model``; they must agree at each step."""
   kind = model.kind
   for step in range(steps):

@@ -127,7 +127,7 @@ def test_benchmark_harness_runs_on_tiny_sizes():
     ),
     (
       "startup",
-      ["--runs", "1", "--capacity", "256", "--batch", "8", "--formats", "jaxres"],
+      ["--runs", "1", "--capacity", "256", "--batch", "8", "--formats", "jaxres", "--quick"],
       [
         "| `import jaxres` | ",
         "| jaxres's own share (the difference with the first row, per run) | ",

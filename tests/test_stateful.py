@@ -8,16 +8,25 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from oracle import KINDS, STORAGES, DictTable, Sharded, assert_matches, assert_rows_equal, table_rows
+from oracle import (
+  BATCH,
+  CAPACITY,
+  KINDS,
+  STORAGES,
+  DictTable,
+  Sharded,
+  assert_matches,
+  assert_rows_equal,
+  table_rows,
+)
 
 import jaxres as jr
 from jaxres._core.kernels import native
 
-BATCH = 4
-CAPACITIES = (6, 10)
+CAPACITIES = (6, CAPACITY)  # the second, and the batches, shared with test_table's programs
 
 
-def _add(old, new):
+def _add(old, new):  # many folds of one key stay in range (test_table folds an order-sensitive function)
   return jax.tree.map(jnp.add, old, new)
 
 

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from oracle import (
+  BATCH,
+  CAPACITY,
   KIND_IDS,
   KINDS,
   STORAGES,
@@ -29,14 +31,12 @@ from jaxres._core.kernels import native
 # Every test runs with the CPU kernels and on their XLA references (see conftest.kernels).
 pytestmark = pytest.mark.usefixtures("kernels")
 
-BATCH = 8
-
 
 @pytest.mark.parametrize("storage", STORAGES)
 @pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
 def test_random_operations_match_dict(storage, kind):
-  capacity = 12  # below the 21 distinct keys drawn: full tables drop keys
-  table, model = kind.create(storage, capacity), DictTable(kind, capacity)
+  # CAPACITY is below the 21 distinct keys drawn: full tables drop keys
+  table, model = kind.create(storage, CAPACITY), DictTable(kind, CAPACITY)
   run_random_operations(table, model, np.random.default_rng(KIND_IDS.index(kind.name)))
 
 
@@ -233,8 +233,7 @@ def _masked(keys, values, valid):
 def test_valid_masks_skip_rows_like_padding(storage, kind):
   """Rows marked invalid behave as if absent from the batch; masked find_or_insert rows get the default."""
   rng = np.random.default_rng(7)
-  capacity = 10
-  table, model = kind.create(storage, capacity), DictTable(kind, capacity)
+  table, model = kind.create(storage, CAPACITY), DictTable(kind, CAPACITY)
   for step in range(24):
     op = ["insert", "find_or_insert", "apply", "remove"][step % 4]
     keys, values = kind.keys(rng, BATCH, pool=14), kind.values(rng, BATCH)
