@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from oracle import STORAGES
+from oracle import CAPACITY, STORAGES
 
 import jaxres as jr
 from jaxres._core import row_protocol
@@ -28,7 +28,8 @@ OPS = {
 
 
 def _table(storage):
-  t = storage.create(16, key=jnp.int32, value=jnp.float32, default=-1.0)
+  # test_table's int32 kind at the shared capacity: the eager calls reuse its compiled programs
+  t = storage.create(CAPACITY, key=jnp.int32, value=jnp.float32, default=-1.0)
   return t.insert(jnp.array([1, 2, 3], jnp.int32), jnp.array([10.0, 20.0, 30.0]))
 
 
