@@ -31,8 +31,9 @@ those that took a second or more). The cache is on when
 ``--quick`` (the test suite's check of the harness) starts each kind of process
 once and no untimed one: no warm-up imports (the first timed imports write the
 bytecode), no untimed process filling the every-program cache (the timed one
-fills it), and the export reads the cache the first step filled. Its figures
-are not those of the report.
+adds the quick programs to the cache the first step filled, so it compiles
+only those), and the export reads that cache too. Its figures are not those
+of the report.
 """
 
 from __future__ import annotations
@@ -253,11 +254,11 @@ def _child(stage: str, env: dict, **options) -> dict:
 def _with_caches(stage: str, cache: str, bytecode: str, quick: bool = False, **options) -> dict:
   """``{kind: figure}`` of :data:`CACHES`: ``stage`` without the persistent cache, with ``cache``
   empty, then filled by that run; and with a cache that a process (untimed) filled with every program
-  (``quick``: the figure of the process that fills it)."""
+  (``quick``: the figure of the process that adds the quick programs to ``cache``)."""
   figures = {"off": _child(stage, _environment(bytecode), **options)}
   for kind in ("empty", "filled"):
     figures[kind] = _child(stage, _environment(bytecode, cache), **options)
-  every = _environment(bytecode, cache + "-every", every_program=True)
+  every = _environment(bytecode, cache if quick else cache + "-every", every_program=True)
   if not quick:
     _child(stage, every, **options)
   figures["filled, every program"] = _child(stage, every, **options)

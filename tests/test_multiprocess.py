@@ -178,7 +178,9 @@ def _free_port() -> int:
 
 def _start(script: str, path) -> list[subprocess.Popen]:
   port = str(_free_port())
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+  # The suite's compiler flags and cache (conftest), without a device count: each worker has 4 devices.
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+  env = os.environ | {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}
   return [
     subprocess.Popen(
       [sys.executable, "-c", PRELUDE + script, str(i), port, str(path)],
