@@ -15,8 +15,8 @@ from jaxres._core.policies import LRU as LRU
 from jaxres._core.policies import CustomScore as CustomScore
 from jaxres._core.policies import Evicted as Evicted
 from jaxres._core.sharding.sharded_table import ShardedTable as ShardedTable
-from jaxres._core.storages.open_addressing import OpenAddressingTable as OpenAddressingTable
-from jaxres._core.storages.sorted_arrays import SortedTable as SortedTable
+from jaxres._core.storages.registry import OpenAddressingTable as OpenAddressingTable
+from jaxres._core.storages.registry import SortedTable as SortedTable
 from jaxres._core.table import RowHandles as RowHandles
 from jaxres._core.table import Table as Table
 from jaxres._errors import KeysLostError as KeysLostError

@@ -152,6 +152,25 @@ def test_the_examples_and_the_demo_use_the_public_api_only():
   assert not private, private
 
 
+# The storage kinds are reached through their registry (jaxres._core.storages.registry); serving alone
+# imports a storage: it reads the sorted storage's read-only form of every table.
+STORAGE_IMPORTERS = {"jaxres._serving.served_state", "jaxres._serving.updates", "jaxres.saved_model"}
+
+
+def test_only_the_registry_and_serving_import_the_storages():
+  storages = {
+    module
+    for module in modules()
+    if module.startswith("jaxres._core.storages.") and module != "jaxres._core.storages.registry"
+  }
+  importers = {
+    module
+    for module, imported in graph().items()
+    if imported & storages and not module.startswith("jaxres._core.storages.")
+  }
+  assert importers <= STORAGE_IMPORTERS, sorted(importers - STORAGE_IMPORTERS)
+
+
 def test_fast_moving_dependencies_are_confined():
   for package, allowed in CONFINED.items():
     users = {module for module, imported in graph().items() if package in imported}

@@ -19,13 +19,13 @@ import jax.numpy as jnp
 
 from jaxres._core.kernels import grouping
 from jaxres._core.policies import LRU
-from jaxres._core.storages.open_addressing import OpenAddressingTable
+from jaxres._core.storages import registry
 from jaxres._core.table import Table
 
 
-def counter(capacity: int, key) -> OpenAddressingTable:
-  """An empty count table for ``capacity`` ids of dtype ``key``."""
-  return OpenAddressingTable.create(capacity, key=key, value=jnp.int32, default=0, eviction=LRU())
+def counter(capacity: int, key) -> Table:
+  """An empty count table for ``capacity`` ids of dtype ``key`` (of the default storage: it evicts)."""
+  return registry.default().create(capacity, key=key, value=jnp.int32, default=0, eviction=LRU())
 
 
 def admit(counts: Table, keys, words, candidates: jax.Array, min_count: int) -> tuple[Table, jax.Array]:

@@ -16,7 +16,7 @@ from jaxres._core import display, memory
 from jaxres._core.encoding import key_specs
 from jaxres._core.policies import LRFU, check_policy
 from jaxres._core.sharding.sharded_table import ShardedTable
-from jaxres._core.storages.open_addressing import OpenAddressingTable
+from jaxres._core.storages import registry
 from jaxres._core.table import check_capacity
 from jaxres._errors import check_int
 from jaxres._nn import admission, counters, embedding_steps, pooling, row_gradients, rowwise
@@ -234,7 +234,7 @@ class DynamicEmbedding(nnx.Module):
     value = {"row": jax.ShapeDtypeStruct((features,), jnp.float32), "slots": optimizer.slots}
     default = jax.tree.map(lambda _: 0, value)
     if mesh is None:
-      table = OpenAddressingTable.create(
+      table = registry.default().create(
         capacity, key=ids.spec, value=value, default=default, eviction=eviction
       )
     else:

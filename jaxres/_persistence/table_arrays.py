@@ -31,7 +31,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxres._core import call_args
 from jaxres._core.sharding.routing import owner_of
 from jaxres._core.sharding.sharded_table import ShardedTable
-from jaxres._core.storages.open_addressing import check_slots
 from jaxres._core.table import Table
 from jaxres._persistence import processes, saved_entries
 from jaxres._persistence.saved_entries import Saved
@@ -203,7 +202,7 @@ def _(table: ShardedTable, saved: Saved) -> Table:
       )
     if np.any(owners[start:end] != shard):
       raise ValueError(f"slots: entries saved under shard {shard} belong to other shards (corrupted).")
-    check_slots(words[start:end], where, table.shards.num_slots)
+    table.shards.check_slots(words[start:end], where)
     parts[shard] = np.arange(start, end)
   slots = np.concatenate([np.asarray(s, np.int64) for s in saved.slots]).astype(np.int32)
   local = _local_shards(table)

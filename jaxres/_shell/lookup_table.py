@@ -14,15 +14,13 @@ from jaxres._core import display
 from jaxres._core.encoding import key_specs
 from jaxres._core.encoding.value_specs import ValueSpec
 from jaxres._core.policies import check_policy
-from jaxres._core.storages.open_addressing import OpenAddressingTable
-from jaxres._core.storages.sorted_arrays import SortedTable
+from jaxres._core.storages import registry
 from jaxres._core.table import Table, check_capacity
 from jaxres._errors import KeysLostError
 from jaxres._persistence import saved_entries, table_arrays
 from jaxres._shell.resource import Resource
 from jaxres._shell.table_codecs import KeyCodec, ValueCodec
 
-STORAGES = {"open_addressing": OpenAddressingTable, "sorted": SortedTable}
 _REPR_ENTRIES = 3
 _HTML_ENTRIES = 10
 
@@ -93,9 +91,7 @@ class LookupTable(Resource):
     eviction=None,
   ):
     super().__init__(device=device)
-    if storage not in STORAGES:
-      raise ValueError(f"storage: expected one of {sorted(STORAGES)}, got {storage!r}.")
-    self._storage = STORAGES[storage]
+    self._storage = registry.storage(storage)
     self._eviction = check_policy(eviction)
     self._key_codec = KeyCodec(key_dtype, max_key_length)
     self._value_codec = ValueCodec(value_dtype, default_value, max_value_length)

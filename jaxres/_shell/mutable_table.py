@@ -12,6 +12,7 @@ import numpy as np
 from jaxres._core import folds
 from jaxres._core.encoding import key_specs
 from jaxres._core.policies import Evicted
+from jaxres._core.storages import registry
 from jaxres._core.table import Table, check_capacity
 from jaxres._shell.lookup_table import LookupTable
 
@@ -70,7 +71,7 @@ class MutableHashTable(LookupTable):
     default_value,
     *,
     initial_capacity: int = 1024,
-    storage: str = "open_addressing",
+    storage: str = registry.DEFAULT,
     device=None,
     max_key_length: int = 64,
     max_value_length: int = 64,

@@ -7,6 +7,7 @@ import numpy as np
 
 from jaxres._core import constants
 from jaxres._core.encoding import key_specs
+from jaxres._core.storages import registry
 from jaxres._errors import check_int
 from jaxres._shell.initializers import KeyValueInitializer, TextFileInitializer
 from jaxres._shell.lookup_table import LookupTable
@@ -43,7 +44,7 @@ class StaticHashTable(LookupTable):
   """
 
   def __init__(
-    self, initializer, default_value, *, storage: str = "sorted", device=None, max_key_length=None
+    self, initializer, default_value, *, storage: str = registry.READ_ONLY, device=None, max_key_length=None
   ):
     _check_initializer(initializer)
     keys, values = initializer.read()
@@ -114,7 +115,13 @@ class StaticVocabularyTable(StaticHashTable):
   """
 
   def __init__(
-    self, initializer, num_oov_buckets: int, *, storage: str = "sorted", device=None, max_key_length=None
+    self,
+    initializer,
+    num_oov_buckets: int,
+    *,
+    storage: str = registry.READ_ONLY,
+    device=None,
+    max_key_length=None,
   ):
     num_oov_buckets = check_int(num_oov_buckets, "num_oov_buckets", low=1, high=_MAX_OOV_BUCKETS)
     _check_initializer(initializer)

@@ -44,8 +44,8 @@ from jaxres._core.kernels.row_ops import select_rows
 from jaxres._core.modes import Carry
 from jaxres._core.pytrees import pytree_dataclass, static_field
 from jaxres._core.sharding.routing import Route, owner_of, round_rows, shard_capacity_for, travelling
-from jaxres._core.storages.open_addressing import OpenAddressingTable
-from jaxres._core.storages.storage import Storage
+from jaxres._core.storages import registry
+from jaxres._core.storages.registry import Storage
 from jaxres._core.table import Table, check_capacity
 
 
@@ -85,7 +85,7 @@ class ShardedTable(Table):
     value,
     default=0,
     *,
-    storage: type[Storage] = OpenAddressingTable,
+    storage: type[Storage] = registry.STORAGES[registry.DEFAULT],
     shard_capacity: int | None = None,
     **options,
   ) -> ShardedTable:
@@ -120,7 +120,8 @@ class ShardedTable(Table):
     if axis not in mesh.axis_names:
       raise ValueError(f"axis: {axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}.")
     if not (isinstance(storage, type) and issubclass(storage, Storage)):
-      raise TypeError(f"storage: expected OpenAddressingTable or SortedTable, got {storage!r}.")
+      known = " or ".join(table.__name__ for table in registry.STORAGES.values())
+      raise TypeError(f"storage: expected {known}, got {storage!r}.")
     capacity = check_capacity(capacity)
     # Routing reshards the batch itself, so the mesh's axes are used in Auto
     # mode (``jax.make_mesh`` makes Explicit ones) and any input sharding works.
@@ -236,8 +237,13 @@ class ShardedTable(Table):
 
   @property
   def num_rows(self) -> int:
-    """Value rows over all shards: a shard's row ``r`` is the table's ``shard * shard_capacity + r``."""
-    return self.num_shards * self.shard_capacity
+    """Value rows over all shards: a shard's row ``r`` is the table's ``shard * shard_rows + r``."""
+    return self.num_shards * self.shard_rows
+
+  @property
+  def shard_rows(self) -> int:
+    """Value rows of each shard, as its storage declares them (:attr:`Storage.num_rows`)."""
+    return self.shards.num_rows
 
   def export(self):
     """All entries as fixed-shape arrays ``(keys, values, valid)``.
@@ -334,8 +340,8 @@ class ShardedTable(Table):
     return table, index, found, inserted, evicted
 
   def _global_rows(self, index):
-    """A shard's value rows as the table's: ``shard * shard_capacity + row`` (``-1`` stays)."""
-    return jnp.where(index >= 0, lax.axis_index(self.axis) * self.shard_capacity + index, -1)
+    """A shard's value rows as the table's: ``shard * shard_rows + row`` (``-1`` stays)."""
+    return jnp.where(index >= 0, lax.axis_index(self.axis) * self.shard_rows + index, -1)
 
   def _read_rows(self, index, defaults):
     def op(shard, rows, active, _):
@@ -556,7 +562,7 @@ class ShardedTable(Table):
         travels = ~active | (source == index)
         others = jnp.where(active & (source != index), source, per_device)  # rows that fold into their first
         leaves = [travelling(x, which, last, others) for x, which in zip(leaves, pick, strict=True)]
-      owner = words[:, 0].astype(jnp.int32) // self.shard_capacity if by_row else owner_of(words, num_shards)
+      owner = words[:, 0].astype(jnp.int32) // self.shard_rows if by_row else owner_of(words, num_shards)
       route = Route.of(owner, travels, num_shards, axis)
       rounds = lax.pmax(jnp.max(-(-jnp.maximum(route.count - block, 0) // later)), axis)
       arrays = (words, active, *leaves)
@@ -568,7 +574,7 @@ class ShardedTable(Table):
       )
       shard = self._own(part)
       if by_row:
-        received[0] = received[0] % jnp.uint32(self.shard_capacity)
+        received[0] = received[0] % jnp.uint32(self.shard_rows)
       shard, outputs = op(shard, received[0], received[1], received[2:])
       results = route.reply(
         outputs, 0, block, [jnp.zeros((per_device, *y.shape[1:]), y.dtype) for y in outputs]

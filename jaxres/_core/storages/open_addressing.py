@@ -67,12 +67,12 @@ class OpenAddressingTable(Storage):
   """
 
   buckets: jax.Array  # uint32[num_buckets, layout.record_width]
-  values: tuple  # leaves [capacity, *storage_shape]: dense rows, the slots' records point into them
+  values: tuple  # leaves [num_rows, *storage_shape]: dense rows, the slots' records point into them
   free_rows: jax.Array  # int32[capacity]: free_rows[size:] are the rows no entry holds
   default: tuple  # leaves [*storage_shape]
   slot_scores: jax.Array  # uint32[num_buckets * bucket_size] with an eviction policy, else uint32[0]
   bucket_floors: jax.Array  # uint32[num_buckets] with a fixed eviction_window > 1: each bucket's lowest score
-  row_stamps: jax.Array  # uint32[capacity]: the clock when each row's entry last changed
+  row_stamps: jax.Array  # uint32[num_rows]: the clock when each row's entry last changed
   version: jax.Array  # uint32: calls that changed the table so far (see Storage)
   size: jax.Array  # shape=(), dtype=int32
   dropped: jax.Array  # shape=(), dtype=int32
@@ -158,6 +158,11 @@ class OpenAddressingTable(Storage):
     return self.layout.num_slots
 
   @property
+  def num_rows(self) -> int:
+    """Dense value rows, one per entry the table holds (``free_rows`` hands them out): ``capacity``."""
+    return self.capacity
+
+  @property
   def slot_layout(self):
     return np.array([1, self.buckets.shape[-2], self.bucket_size])  # shards, buckets, slots per bucket
 
@@ -185,7 +190,7 @@ class OpenAddressingTable(Storage):
   def placed(self, keys, values, scores, slots):
     empty = self._cleared()._advance()  # every entry newer than any version of this table before
     rows = call_args.prepare(empty, keys, values, scores=scores, explicit_scores=True)
-    check_slots(rows.words[: rows.n], slots, self.num_slots)
+    self.check_slots(rows.words[: rows.n], slots)
     if not rows.n:
       return empty
     slots = call_args.pad_to(jnp.asarray(slots, jnp.int32), rows)
@@ -514,17 +519,6 @@ def line_slots(num_words: int) -> int:
   return max(1, (LINE_WORDS - 2) // (num_words + 1))
 
 
-def check_slots(words, slots, num_slots: int) -> None:
-  """Raises ``ValueError`` unless ``slots`` are distinct slot numbers below ``num_slots`` of distinct keys."""
-  slots, n = np.asarray(slots), words.shape[0]
-  bad = slots.shape != (n,) or (n and (slots.min() < 0 or slots.max() >= num_slots))
-  if bad or len(np.unique(slots)) != n or len(np.unique(np.asarray(words), axis=0)) != n:
-    raise ValueError(
-      f"slots: {n} entries given slots that a table of {num_slots} cannot hold "
-      "(repeated or out of range slots, or repeated keys): corrupted."
-    )
-
-
 @jax.jit
 def _jit_live(table: OpenAddressingTable) -> jax.Array:
   return table._slots()[1]
@@ -556,9 +550,18 @@ def _empty(capacity, key_spec, value_spec, default, bucket_size, eviction, evict
   floors = layout.num_buckets if eviction is not None and (eviction_window or 1) > 1 else 0
   return OpenAddressingTable(
     buckets=jnp.zeros((layout.num_buckets, layout.record_width), jnp.uint32),
-    free_rows=jnp.arange(capacity, dtype=jnp.int32),
+    free_rows=jnp.arange(capacity, dtype=jnp.int32),  # every value row (num_rows == capacity) is free
     bucket_floors=jnp.full((floors,), NO_SCORE, jnp.uint32),
     bucket_size=bucket_size,
     eviction_window=eviction_window,
-    **empty_fields(capacity, key_spec, value_spec, default, layout.num_slots, eviction, stamps=True),
+    **empty_fields(
+      capacity,
+      key_spec,
+      value_spec,
+      default,
+      slots=layout.num_slots,
+      rows=capacity,
+      eviction=eviction,
+      stamps=True,
+    ),
   )

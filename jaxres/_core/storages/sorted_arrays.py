@@ -61,7 +61,7 @@ class SortedTable(Storage):
   keys: jax.Array  # uint32[capacity, num_words], sorted on [0, count)
   live: jax.Array  # bool[capacity]: False for tombstones and unused rows
   count: jax.Array  # shape=(), dtype=int32: sorted rows in use, tombstones included
-  values: tuple  # leaves [capacity, *storage_shape]
+  values: tuple  # leaves [num_rows, *storage_shape]
   default: tuple  # leaves [*storage_shape]
   slot_scores: jax.Array  # uint32[0]: a sorted table does not evict
   row_stamps: jax.Array  # uint32[0]: entries move, a save writes them all
@@ -100,6 +100,11 @@ class SortedTable(Storage):
   @property
   def num_slots(self) -> int:
     """Rows of the sorted arrays: a slot is its value row."""
+    return self.capacity
+
+  @property
+  def num_rows(self) -> int:
+    """Value rows: one per slot (a slot is its value row), ``capacity``."""
     return self.capacity
 
   def _with_capacity(self, capacity):
@@ -274,5 +279,5 @@ def _empty(capacity, key_spec, value_spec, default):
     keys=jnp.zeros((capacity, key_spec.num_words), jnp.uint32),
     live=jnp.zeros((capacity,), bool),
     count=jnp.zeros((), jnp.int32),
-    **empty_fields(capacity, key_spec, value_spec, default, slots=capacity, eviction=None),
+    **empty_fields(capacity, key_spec, value_spec, default, slots=capacity, rows=capacity, eviction=None),
   )

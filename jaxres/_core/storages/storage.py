@@ -9,7 +9,9 @@ delete keys; :class:`Storage` builds the row operations of the row protocol
 * ``_slots()``: every slot's key words and whether it holds an entry;
 * ``_row_of(slot)``: the row of ``values`` that holds a slot's value.
 
-Values are dense: ``capacity`` rows, whatever the number of slots.
+Each storage declares its number of value rows, :attr:`Storage.num_rows`
+(``capacity`` for both storages today, whatever the number of slots): the
+arrays of rows are sized by it, and a row handle lies below it.
 
 Each storage implements ``_upsert_rows`` (insert and find_or_insert) itself.
 """
@@ -21,6 +23,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxres._core import call_args, folds, memory
 from jaxres._core.kernels import claims
@@ -33,16 +36,25 @@ NO_SCORE = jnp.iinfo(jnp.uint32).max  # the score of a free slot
 
 
 def empty_fields(
-  capacity: int, key_spec, value_spec, default, slots: int, eviction: Policy | None, stamps: bool = False
+  capacity: int,
+  key_spec,
+  value_spec,
+  default,
+  *,
+  slots: int,
+  rows: int,
+  eviction: Policy | None,
+  stamps: bool = False,
 ) -> dict:
-  """The fields every storage starts with: no entries, ``capacity`` value rows, a score per
-  slot when the table evicts, and a stamp per value row where ``stamps`` (see ``Storage``)."""
+  """The fields every storage starts with: no entries, ``rows`` value rows (the storage's
+  :attr:`~Storage.num_rows`), a score per slot when the table evicts, and a stamp per value row
+  where ``stamps`` (see ``Storage``)."""
   return {
-    "values": tuple(value_spec.empty((capacity,))),
+    "values": tuple(value_spec.empty((rows,))),
     "default": tuple(default),
     # A free slot scores the highest: no new key evicts it (eviction_rounds reads scores alone).
     "slot_scores": jnp.full((slots if eviction is not None else 0,), NO_SCORE, jnp.uint32),
-    "row_stamps": jnp.zeros((capacity if stamps else 0,), jnp.uint32),
+    "row_stamps": jnp.zeros((rows if stamps else 0,), jnp.uint32),
     "size": jnp.zeros((), jnp.int32),
     "dropped": jnp.zeros((), jnp.int32),
     "clock": jnp.zeros((), jnp.uint32),
@@ -67,8 +79,15 @@ class Storage(Table):
   """
 
   slot_scores: jax.Array  # uint32[num_slots] with an eviction policy, else uint32[0]
-  row_stamps: jax.Array  # uint32[capacity] where entries keep their slots, else uint32[0]
+  row_stamps: jax.Array  # uint32[num_rows] where entries keep their slots, else uint32[0]
   version: jax.Array  # uint32: calls that changed the table so far
+
+  @property
+  @abc.abstractmethod
+  def num_rows(self) -> int:
+    """Value rows the storage's arrays have (static), declared by each storage: every row handle
+    (:meth:`find_rows`, :meth:`_row_of`) lies in ``[0, num_rows)``, and a write to row ``num_rows``
+    is dropped."""
 
   @classmethod
   def capacity_for(cls, nbytes: int, key, value, default=0, **options) -> int:
@@ -85,6 +104,28 @@ class Storage(Table):
     """
     create = lambda c: cls.create(c, key, value, default, **options)
     return memory.largest_capacity(lambda c: memory.nbytes(jax.eval_shape(lambda: create(c))), nbytes)
+
+  def check_slots(self, words, slots) -> None:
+    """Raises ``ValueError`` unless ``slots`` are distinct slots of this storage (below
+    :attr:`num_slots`) for the distinct keys ``words`` (``uint32[n, W]``): the check of entries that
+    a checkpoint puts back where they were (:meth:`placed`). Host side.
+
+    Examples:
+      >>> import numpy as np, jaxres as jr
+      >>> t = jr.SortedTable.create(4, key=np.int32, value=np.float32)
+      >>> t.check_slots(np.array([[1], [2]], np.uint32), np.array([0, 3]))
+      >>> t.check_slots(np.array([[1], [2]], np.uint32), np.array([3, 3]))  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      ValueError: slots: 2 entries given slots that a table of 4 cannot hold (repeated ...): corrupted.
+    """
+    slots, n, num_slots = np.asarray(slots), words.shape[0], self.num_slots
+    bad = slots.shape != (n,) or (n and (slots.min() < 0 or slots.max() >= num_slots))
+    if bad or len(np.unique(slots)) != n or len(np.unique(np.asarray(words), axis=0)) != n:
+      raise ValueError(
+        f"slots: {n} entries given slots that a table of {num_slots} cannot hold "
+        "(repeated or out of range slots, or repeated keys): corrupted."
+      )
 
   def _tick(self) -> Storage:
     return dataclasses.replace(self, clock=self.clock + jnp.uint32(1), version=self.version + jnp.uint32(1))
@@ -226,7 +267,7 @@ class Storage(Table):
     pending = present & ~first
     reduction = folds.reduction(fn)
     if reduction is not None:
-      target = jnp.where(pending, row, table.capacity)
+      target = jnp.where(pending, row, table.num_rows)
       values = tuple(reduction.scatter(v.at[target], x) for v, x in zip(table.values, leaves))
       return dataclasses.replace(table, values=values)._stamped(row, pending)
     table, _ = jax.lax.while_loop(lambda s: jnp.any(s[1]), fold, (table, pending))
@@ -260,7 +301,7 @@ class Storage(Table):
 
   def _put(self, row, leaves, mask) -> Storage:
     """Writes value ``row``s (distinct where ``mask``) with ``leaves`` where ``mask``."""
-    index = jnp.where(mask, row, self.capacity)
+    index = jnp.where(mask, row, self.num_rows)
     values = tuple(v.at[index].set(x, mode="drop") for v, x in zip(self.values, leaves))
     return dataclasses.replace(self, values=values)._stamped(row, mask)
 
