@@ -10,8 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxres as jr
+from jaxres._core.storages import registry
 
-STORAGES = [jr.OpenAddressingTable, jr.SortedTable]
+# Every registered storage kind's table class (the default first): the storage-parametrised suites run each.
+STORAGES = list(registry.STORAGES.values())
 
 # The shapes the oracle suites agree on (test_table, test_stateful): a table of CAPACITY entries
 # (below the keys they draw, so tables fill and drop keys) and batches of BATCH rows. Each

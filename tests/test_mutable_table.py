@@ -10,8 +10,9 @@ from flax import nnx
 from oracle import stateful_step
 
 import jaxres as jr
+from jaxres._core.storages import registry
 
-STORAGES = ["open_addressing", "sorted"]
+STORAGES = list(registry.STORAGES)  # every registered storage kind, by name
 
 
 @pytest.mark.parametrize("storage", STORAGES)

@@ -332,7 +332,7 @@ class Storage(Table):
     words, live = self._slots()
     slot = jnp.nonzero(live, size=self.capacity, fill_value=0)[0].astype(jnp.int32)
     valid = jnp.arange(self.capacity) < jnp.sum(live, dtype=jnp.int32)
-    zeros = [jnp.zeros_like(v) for v in self.values]
+    zeros = [jnp.zeros((self.capacity, *v.shape[1:]), v.dtype) for v in self.values]  # capacity entries
     leaves = select_rows(valid, self._read(slot), zeros)
     words = jnp.where(valid[:, None], words[slot], jnp.uint32(0))
     return words, leaves, jnp.where(valid, self._scores_by_slot()[slot], jnp.uint32(0)), valid
