@@ -86,8 +86,8 @@ class Storage(Table):
   @abc.abstractmethod
   def num_rows(self) -> int:
     """Value rows the storage's arrays have (static), declared by each storage: every row handle
-    (:meth:`find_rows`, :meth:`_row_of`) lies in ``[0, num_rows)``, and a write to row ``num_rows``
-    is dropped."""
+    (:meth:`find_rows`, :meth:`find_or_insert_rows`) lies in ``[0, num_rows)``, and a write to row
+    ``num_rows`` is dropped."""
 
   @classmethod
   def capacity_for(cls, nbytes: int, key, value, default=0, **options) -> int:
