@@ -1,20 +1,28 @@
-"""Builds the optional CPU kernels (``jaxres/_core/kernels/kernels.cc``) against jaxlib's XLA FFI headers.
+"""Builds the optional CPU kernels against jaxlib's XLA FFI headers, as one library.
 
-Everything else about the package is in ``pyproject.toml``. The kernels need
+Everything else about the package is in ``pyproject.toml``. The library is
+``jaxres._core.kernels._kernels``: its Python module and the kernels every
+storage shares sit in ``jaxres/_core/kernels`` (``module.cc``, ``shared.cc``,
+the helpers in ``kernels.h``), and each storage folder under
+``jaxres/_core/storages`` brings its own ``kernels.cc``. The kernels need
 only the system C++ compiler and the headers jaxlib ships; when they cannot be
 built, jaxres runs its pure-XLA implementation on CPU too. The constants the
 kernels share with their Python references come from
 ``jaxres/_core/constants.py``, written into a generated header here.
 """
 
+import glob
 import importlib.util
 import os
 import runpy
+from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 CONSTANTS = "jaxres/_core/constants.py"
+SHARED = "jaxres/_core/kernels"  # the module, the shared kernels and kernels.h, which every kernel file includes
+SOURCES = [f"{SHARED}/module.cc", f"{SHARED}/shared.cc", *sorted(glob.glob("jaxres/_core/storages/*/kernels.cc"))]
 # After Python's own flags, which include -g: debug information for XLA's FFI templates took a quarter
 # of the compile (and 7 of the library's 7.6 MB) and changes no instruction (benchmarks/startup.py --build).
 # -O3 stays: -O2 and -O1 compile in 0.8x and 0.6x the time, but their kernels ran 1.5-2x slower.
@@ -27,7 +35,8 @@ def _jaxlib_include() -> str:
 
 
 class BuildWithConstants(build_ext):
-  """Writes ``jaxres_constants.h`` from :data:`CONSTANTS` before compiling."""
+  """Writes ``jaxres_constants.h`` from :data:`CONSTANTS`, then compiles the sources side by side (one
+  per core: each kernel file parses XLA's FFI headers on its own) and links them as one library."""
 
   def build_extensions(self):
     generated = os.path.join(self.build_temp, "jaxres_generated")
@@ -36,6 +45,14 @@ class BuildWithConstants(build_ext):
       f.write(runpy.run_path(CONSTANTS)["header"]())
     for extension in self.extensions:
       extension.include_dirs.append(generated)
+    compile_sources = self.compiler.compile
+
+    def compile_each(sources, *args, **kwargs):
+      with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        objects = pool.map(lambda source: compile_sources([source], *args, **kwargs), sources)
+        return [obj for per_source in objects for obj in per_source]
+
+    self.compiler.compile = compile_each
     super().build_extensions()
 
 
@@ -44,8 +61,9 @@ setup(
   ext_modules=[
     Extension(
       "jaxres._core.kernels._kernels",
-      sources=["jaxres/_core/kernels/kernels.cc"],
-      depends=[CONSTANTS],
+      sources=SOURCES,
+      depends=[CONSTANTS, f"{SHARED}/kernels.h"],
+      include_dirs=[SHARED],
       extra_compile_args=[*COMPILE_ARGS, "-isystem", _jaxlib_include()],
       language="c++",
       optional=True,

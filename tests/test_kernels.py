@@ -1,4 +1,5 @@
-"""The CPU kernels (``jaxres/_core/kernels/kernels.cc``) give exactly what their XLA references give.
+"""The CPU kernels (``jaxres/_core/kernels`` and each storage folder's ``kernels.cc``) give exactly
+what their XLA references give.
 
 Each kernel is compared bit for bit with its reference on tables grown by random
 operations (hypothesis), and whole runs with the kernels off (``JAXRES_KERNELS=0``,
@@ -34,7 +35,7 @@ KEYS = {1: jnp.uint32, 2: jax.ShapeDtypeStruct((2,), jnp.int32), 3: jax.ShapeDty
 
 
 def test_the_kernels_are_built_and_on():
-  assert native.BUILT, "pip install did not compile kernels.cc (is a C++ compiler installed?)"
+  assert native.BUILT, "pip install did not compile the kernels (is a C++ compiler installed?)"
   assert native.ENABLED == (os.environ.get("JAXRES_KERNELS", "1") != "0")
 
 

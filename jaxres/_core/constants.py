@@ -1,7 +1,7 @@
 """The constants the Python references and the CPU kernels must agree on, in one place.
 
 ``setup.py`` writes them into the header ``jaxres_constants.h`` that
-``kernels.cc`` includes (``kName`` for ``NAME``), so a kernel computes with the
+every kernel file includes (``kName`` for ``NAME``), so a kernel computes with the
 same numbers as its reference by construction. Plain ints only: this module
 imports nothing, so that the build can read it without JAX.
 """

@@ -1,6 +1,7 @@
-"""The CPU kernels of ``kernels.cc``, each standing in for an XLA reference on CPU.
+"""The CPU kernels (the library ``_kernels``), each standing in for an XLA reference on CPU.
 
-``pip install`` compiles ``kernels.cc`` against the XLA FFI headers that jaxlib
+``pip install`` compiles the kernel files (``module.cc`` and ``shared.cc`` here, each
+storage folder's ``kernels.cc``) into one library against the XLA FFI headers that jaxlib
 ships (see ``setup.py``). Each kernel computes exactly what its reference
 computes, the same results bit for bit, and replaces it only where XLA runs on
 CPU: a program lowered for GPU or TPU runs the reference (also one a CPU-only
