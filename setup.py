@@ -3,8 +3,9 @@
 Everything else about the package is in ``pyproject.toml``. The library is
 ``jaxres._core.kernels._kernels``: its Python module and the kernels every
 storage shares sit in ``jaxres/_core/kernels`` (``module.cc``, ``shared.cc``,
-the helpers in ``kernels.h``), and each storage folder under
-``jaxres/_core/storages`` brings its own ``kernels.cc``. The kernels need
+the helpers in ``kernels.h``, the kernels' registry in ``registration.h``), and
+each storage folder under ``jaxres/_core/storages`` brings its own
+``kernels.cc``, found here by its name. The kernels need
 only the system C++ compiler and the headers jaxlib ships; when they cannot be
 built, jaxres runs its pure-XLA implementation on CPU too. The constants the
 kernels share with their Python references come from
@@ -21,8 +22,9 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 CONSTANTS = "jaxres/_core/constants.py"
-SHARED = "jaxres/_core/kernels"  # the module, the shared kernels and kernels.h, which every kernel file includes
-SOURCES = [f"{SHARED}/module.cc", f"{SHARED}/shared.cc", *sorted(glob.glob("jaxres/_core/storages/*/kernels.cc"))]
+SHARED = "jaxres/_core/kernels"  # the module, the shared kernels, kernels.h and registration.h
+STORAGES = sorted(glob.glob("jaxres/_core/storages/*/kernels.cc"))  # each storage folder's own kernels
+SOURCES = [f"{SHARED}/module.cc", f"{SHARED}/shared.cc", *STORAGES]
 # After Python's own flags, which include -g: debug information for XLA's FFI templates took a quarter
 # of the compile (and 7 of the library's 7.6 MB) and changes no instruction (benchmarks/startup.py --build).
 # -O3 stays: -O2 and -O1 compile in 0.8x and 0.6x the time, but their kernels ran 1.5-2x slower.
@@ -62,7 +64,7 @@ setup(
     Extension(
       "jaxres._core.kernels._kernels",
       sources=SOURCES,
-      depends=[CONSTANTS, f"{SHARED}/kernels.h"],
+      depends=[CONSTANTS, f"{SHARED}/kernels.h", f"{SHARED}/registration.h"],
       include_dirs=[SHARED],
       extra_compile_args=[*COMPILE_ARGS, "-isystem", _jaxlib_include()],
       language="c++",

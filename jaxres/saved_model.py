@@ -30,7 +30,7 @@ from pathlib import Path
 
 import jax
 
-from jaxres._core.storages.sorted_arrays import read_only
+from jaxres._core.storages.sorted import read_only
 from jaxres._serving import buckets, directory, program, served_state, updates
 from jaxres._serving.loaded import LoadedModel, LoadedSignature
 from jaxres._serving.signature import Input, Signature

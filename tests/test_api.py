@@ -9,6 +9,7 @@ import pytest
 
 import jaxres as jr
 from jaxres import demo
+from jaxres._core.storages import registry
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,8 +26,8 @@ def test_every_public_name_is_exported_and_documented():
     assert inspect.getdoc(getattr(jr.keys, name)), f"jr.keys.{name} has no docstring"
 
 
-def test_both_storages_implement_the_protocol():
-  for storage in (jr.OpenAddressingTable, jr.SortedTable):
+def test_every_storage_implements_the_protocol():
+  for storage in registry.STORAGES.values():
     assert issubclass(storage, jr.Table)
     assert not inspect.isabstract(storage)
 

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 import jaxres as jr
 from jaxres._core.kernels import claims, grouping, native, row_ops
 from jaxres._core.modes import Upsert
-from jaxres._core.storages import eviction_rounds, placing
+from jaxres._core.storages.open_addressing import eviction_rounds, placing
 from jaxres._core.storages.storage import Storage
 
 ROOT = Path(__file__).resolve().parents[1]

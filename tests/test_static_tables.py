@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jaxres as jr
+from jaxres._core.storages import registry
 
 WHOLE, NUMBER = jr.TextFileIndex.WHOLE_LINE, jr.TextFileIndex.LINE_NUMBER
 
@@ -20,7 +21,7 @@ def vocab_file(tmp_path):
   return path
 
 
-@pytest.mark.parametrize("storage", ["sorted", "open_addressing"])
+@pytest.mark.parametrize("storage", sorted(registry.STORAGES))  # every registered kind
 def test_static_hash_table_reads_and_is_immutable(storage):
   table = jr.StaticHashTable(
     jr.KeyValueInitializer(["b", "a", "ç"], [2, 1, 3]), default_value=-1, storage=storage

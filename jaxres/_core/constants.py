@@ -34,10 +34,10 @@ EVICTION_CELLS_PER_ROW = 32  # eviction's two claims per round: fewer rows lose 
 CHUNK_MIN_ROWS = 64
 CHUNK_FRACTION = 8
 
-# The bucket array (storages/buckets.py): records padded to 64-byte cache lines of 16 words.
+# The bucket array (storages/open_addressing/buckets.py): records padded to 64-byte cache lines of 16 words.
 LINE_WORDS = 16
 EVICTING_BUCKET_SIZE = 8  # slots per bucket of a table that evicts: a new key's candidates (measured)
-# Buckets in each of a new key's two windows of candidates (storages/eviction_rounds.py): a table's
+# Buckets in each of a new key's two windows of candidates (open_addressing/eviction_rounds.py): a table's
 # eviction_window (up to MAX_EVICTION_WINDOW), or by default per call the widest power of two up to
 # MAX_AUTO_EVICTION_WINDOW whose multiple of the capacity is at most AUTO_EVICTION_SHARE x the new
 # keys that must evict (1 for a batch of less than 1/16 of the capacity, 32 for a whole one).

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxres._core.storages.sorted_arrays import read_only
+from jaxres._core.storages.sorted import read_only
 from jaxres._core.table import Table
 from jaxres._shell.trackable import AutoTrackable
 

@@ -39,7 +39,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxres._core.storages.sorted_arrays import SortedTable, read_only, read_only_like
+from jaxres._core.storages.sorted import SortedTable, read_only, read_only_like
 from jaxres._core.table import Table
 from jaxres._persistence import saved_entries, table_arrays
 from jaxres._persistence.table_arrays import Mark

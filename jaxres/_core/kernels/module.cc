@@ -1,47 +1,30 @@
-// The Python module `jaxres._core.kernels._kernels`: the FFI handlers of every
-// kernel file, by target name (jaxres/_core/kernels/native.py registers them with XLA).
+// The Python module `jaxres._core.kernels._kernels`: the FFI handlers that the kernel
+// files registered (registration.h), by target name; jaxres/_core/kernels/native.py
+// registers them with XLA.
 //
 // The kernels live beside what they accelerate: the shared claims and row kernels in
-// shared.cc, each storage's in its folder under jaxres/_core/storages/. A new kernel
-// declares its handler here and adds it to Targets.
+// shared.cc, each storage's in its folder under jaxres/_core/storages/.
 
 #include <Python.h>
 
-#include "xla/ffi/api/c_api.h"
+#include <vector>
 
-// Defined with XLA_FFI_DEFINE_HANDLER_SYMBOL in the kernel files.
-extern "C" XLA_FFI_Error* JaxresLocate(XLA_FFI_CallFrame* call_frame);
-extern "C" XLA_FFI_Error* JaxresLookup(XLA_FFI_CallFrame* call_frame);
-extern "C" XLA_FFI_Error* JaxresSearch(XLA_FFI_CallFrame* call_frame);
-extern "C" XLA_FFI_Error* JaxresOwner(XLA_FFI_CallFrame* call_frame);
-extern "C" XLA_FFI_Error* JaxresPrefixSum(XLA_FFI_CallFrame* call_frame);
-extern "C" XLA_FFI_Error* JaxresUpsert(XLA_FFI_CallFrame* call_frame);
-extern "C" XLA_FFI_Error* JaxresEvict(XLA_FFI_CallFrame* call_frame);
-extern "C" XLA_FFI_Error* JaxresWriteRows(XLA_FFI_CallFrame* call_frame);
-extern "C" XLA_FFI_Error* JaxresTakeRows(XLA_FFI_CallFrame* call_frame);
-extern "C" XLA_FFI_Error* JaxresGroupSums(XLA_FFI_CallFrame* call_frame);
-extern "C" XLA_FFI_Error* JaxresReadRows(XLA_FFI_CallFrame* call_frame);
+#include "registration.h"
+
+std::vector<jaxres::Kernel>& jaxres::Kernels() {
+  static std::vector<Kernel> kernels;
+  return kernels;
+}
 
 namespace {
 
 PyObject* Targets(PyObject*, PyObject*) {
   PyObject* targets = PyDict_New();
-  auto add = [&](const char* name, XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) {
-    PyObject* capsule = PyCapsule_New(reinterpret_cast<void*>(fn), nullptr, nullptr);
-    PyDict_SetItemString(targets, name, capsule);
+  for (const jaxres::Kernel& kernel : jaxres::Kernels()) {
+    PyObject* capsule = PyCapsule_New(reinterpret_cast<void*>(kernel.handler), nullptr, nullptr);
+    PyDict_SetItemString(targets, kernel.target, capsule);
     Py_DECREF(capsule);
-  };
-  add("jaxres_locate", JaxresLocate);
-  add("jaxres_lookup", JaxresLookup);
-  add("jaxres_search", JaxresSearch);
-  add("jaxres_owner", JaxresOwner);
-  add("jaxres_upsert", JaxresUpsert);
-  add("jaxres_prefix_sum", JaxresPrefixSum);
-  add("jaxres_evict", JaxresEvict);
-  add("jaxres_read_rows", JaxresReadRows);
-  add("jaxres_write_rows", JaxresWriteRows);
-  add("jaxres_take_rows", JaxresTakeRows);
-  add("jaxres_group_sums", JaxresGroupSums);
+  }
   return targets;
 }
 

@@ -1,4 +1,4 @@
-// The kernels every storage uses, registered with XLA's FFI (see module.cc):
+// The kernels every storage uses, registered with XLA's FFI (registration.h):
 //
 //   jaxres_owner      claims.owner_per_key (kernels/claims.py)
 //   jaxres_prefix_sum claims.prefix_sum    (kernels/claims.py)
@@ -220,3 +220,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresReadRows, ReadRows,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
+
+JAXRES_REGISTER_KERNEL("jaxres_owner", JaxresOwner);
+JAXRES_REGISTER_KERNEL("jaxres_prefix_sum", JaxresPrefixSum);
+JAXRES_REGISTER_KERNEL("jaxres_write_rows", JaxresWriteRows);
+JAXRES_REGISTER_KERNEL("jaxres_take_rows", JaxresTakeRows);
+JAXRES_REGISTER_KERNEL("jaxres_group_sums", JaxresGroupSums);
+JAXRES_REGISTER_KERNEL("jaxres_read_rows", JaxresReadRows);

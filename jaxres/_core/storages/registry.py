@@ -20,7 +20,7 @@ Examples:
 from __future__ import annotations
 
 from jaxres._core.storages.open_addressing import OpenAddressingTable
-from jaxres._core.storages.sorted_arrays import SortedTable
+from jaxres._core.storages.sorted import SortedTable
 from jaxres._core.storages.storage import Storage
 
 # The table classes are public (``jr.OpenAddressingTable``, ``jr.SortedTable``): the package re-exports them

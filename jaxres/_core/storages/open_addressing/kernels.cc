@@ -1,10 +1,10 @@
 // CPU kernels of the open-addressing table, registered with XLA's FFI (see
-// jaxres/_core/kernels/module.cc):
+// jaxres/_core/kernels/registration.h):
 //
-//   jaxres_locate OpenAddressingTable._locate      (storages/open_addressing.py)
-//   jaxres_lookup OpenAddressingTable._lookup_rows (storages/open_addressing.py)
-//   jaxres_upsert placing.upsert_slots             (storages/placing.py)
-//   jaxres_evict  eviction_rounds.evict            (storages/eviction_rounds.py)
+//   jaxres_locate OpenAddressingTable._locate      (storages/open_addressing/table.py)
+//   jaxres_lookup OpenAddressingTable._lookup_rows (storages/open_addressing/table.py)
+//   jaxres_upsert placing.upsert_slots             (storages/open_addressing/placing.py)
+//   jaxres_evict  eviction_rounds.evict            (storages/open_addressing/eviction_rounds.py)
 //
 // Each computes exactly what its pure-XLA counterpart computes (the XLA code is
 // the reference and the GPU/TPU path). The XLA versions work in data-parallel
@@ -980,3 +980,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresEvict, Evict,
                                   .Attr<int64_t>("window")
                                   .Attr<int64_t>("capacity")
                                   .Attr<bool>("protect"));
+
+JAXRES_REGISTER_KERNEL("jaxres_locate", JaxresLocate);
+JAXRES_REGISTER_KERNEL("jaxres_lookup", JaxresLookup);
+JAXRES_REGISTER_KERNEL("jaxres_upsert", JaxresUpsert);
+JAXRES_REGISTER_KERNEL("jaxres_evict", JaxresEvict);

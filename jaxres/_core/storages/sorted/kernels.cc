@@ -1,7 +1,7 @@
 // The CPU kernel of the sorted table, registered with XLA's FFI (see
-// jaxres/_core/kernels/module.cc):
+// jaxres/_core/kernels/registration.h):
 //
-//   jaxres_search SortedTable._search (storages/sorted_arrays.py)
+//   jaxres_search SortedTable._search (storages/sorted/table.py)
 //
 // It computes exactly what its pure-XLA counterpart computes (the XLA code is
 // the reference and the GPU/TPU path), its rows split over XLA's intra-op
@@ -161,3 +161,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresSearch, Search,
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::Buffer<ffi::PRED>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
+
+JAXRES_REGISTER_KERNEL("jaxres_search", JaxresSearch);

@@ -30,7 +30,7 @@ from jax import lax
 from jaxres._core import constants
 from jaxres._core.encoding.hashing import hash_words
 from jaxres._core.kernels import claims, grouping, native
-from jaxres._core.storages.buckets import Layout
+from jaxres._core.storages.open_addressing.buckets import Layout
 
 _LANE_MIX = np.uint32(constants.GOLDEN_MIX)
 

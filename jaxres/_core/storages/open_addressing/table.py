@@ -38,8 +38,8 @@ from jaxres._core.kernels.row_ops import read_rows, select_rows, take_rows
 from jaxres._core.modes import Upsert
 from jaxres._core.policies import Policy, check_policy
 from jaxres._core.pytrees import pytree_dataclass, static_field
-from jaxres._core.storages import eviction_rounds, placing
-from jaxres._core.storages.buckets import LINE_WORDS, Layout
+from jaxres._core.storages.open_addressing import eviction_rounds, placing
+from jaxres._core.storages.open_addressing.buckets import LINE_WORDS, Layout
 from jaxres._core.storages.storage import NO_SCORE, Storage, empty_fields
 from jaxres._core.table import Changes, LiveEntries, check_capacity
 from jaxres._errors import check_int

@@ -51,7 +51,7 @@ from jax import lax
 from jaxres._core import constants, ordering
 from jaxres._core.encoding.hashing import hash_words
 from jaxres._core.kernels import claims, native
-from jaxres._core.storages.buckets import Layout
+from jaxres._core.storages.open_addressing.buckets import Layout
 
 _NO_SCORE = np.uint32(np.iinfo(np.uint32).max)  # a free slot's score (storage.NO_SCORE): never evicted
 
@@ -158,7 +158,7 @@ def auto_window(count: jax.Array, capacity: int) -> jax.Array:
   otherwise compete for few of them.
 
   Examples:
-    >>> from jaxres._core.storages.eviction_rounds import AUTO_WINDOWS, auto_window
+    >>> from jaxres._core.storages.open_addressing.eviction_rounds import AUTO_WINDOWS, auto_window
     >>> [AUTO_WINDOWS[int(auto_window(jnp.int32(n), 1 << 20))] for n in (4096, 1 << 16, 1 << 19, 1 << 20)]
     [1, 2, 16, 32]
   """
