@@ -1,8 +1,8 @@
 // What every kernel file of jaxres shares: the thread split, the key hashing of
 // encoding/hashing.py, the claims of kernels/claims.py, and row copies. Everything
-// here has internal linkage (an unnamed namespace): each kernel file, a translation
-// unit of the one library, gets its own copy to inline as it sees fit, as when all
-// the kernels were one file (external `inline` functions made insert 30 % slower).
+// here has internal linkage (an unnamed namespace), as when the kernels were one file;
+// setup.py compiles the kernel files as one translation unit, and each can also be
+// compiled alone.
 
 #ifndef JAXRES_CORE_KERNELS_KERNELS_H_
 #define JAXRES_CORE_KERNELS_KERNELS_H_
