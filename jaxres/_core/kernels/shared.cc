@@ -185,41 +185,39 @@ ffi::Error GroupSums(ffi::Buffer<ffi::S32> group, ffi::AnyBuffer x, ffi::ResultB
 }  // namespace
 }  // namespace jaxres
 
-using namespace jaxres;  // NOLINT: the handlers below name this file's kernels
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresOwner, Owner,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::PRED>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresOwner, jaxres::Owner,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Attr<bool>("last"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresPrefixSum, PrefixSum,
-                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::S32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresPrefixSum, jaxres::PrefixSum,
+                              xla::ffi::Ffi::Bind().Arg<xla::ffi::Buffer<xla::ffi::S32>>().Ret<xla::ffi::Buffer<xla::ffi::S32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresWriteRows, WriteRows,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::PRED>>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresWriteRows, jaxres::WriteRows,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::PRED>>()
                                   .RemainingArgs()
                                   .RemainingRets());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresTakeRows, TakeRows,
-                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresTakeRows, jaxres::TakeRows,
+                              xla::ffi::Ffi::Bind().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::Buffer<xla::ffi::S32>>().Ret<xla::ffi::AnyBuffer>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresGroupSums, GroupSums,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresGroupSums, jaxres::GroupSums,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::AnyBuffer>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresReadRows, ReadRows,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresReadRows, jaxres::ReadRows,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>());
 
 JAXRES_REGISTER_KERNEL("jaxres_owner", JaxresOwner);
 JAXRES_REGISTER_KERNEL("jaxres_prefix_sum", JaxresPrefixSum);

@@ -17,7 +17,7 @@
 
 #include "kernels.h"
 
-namespace jaxres {
+namespace jaxres::open_addressing {
 namespace {
 
 // Bit s set where slot s of a record holds `words` (occupied or not): branch
@@ -915,67 +915,65 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
 }
 
 }  // namespace
-}  // namespace jaxres
+}  // namespace jaxres::open_addressing
 
-using namespace jaxres;  // NOLINT: the handlers below name this file's kernels
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresLocate, Locate,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::Buffer<ffi::PRED>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresLocate, jaxres::open_addressing::Locate,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Attr<int64_t>("bucket_size"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresLookup, Lookup,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresLookup, jaxres::open_addressing::Lookup,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
                                   .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::PRED>>()
                                   .RemainingRets()
                                   .Attr<int64_t>("bucket_size"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresUpsert, Upsert,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::PRED>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::Buffer<ffi::PRED>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::PRED>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresUpsert, jaxres::open_addressing::Upsert,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Attr<int64_t>("bucket_size"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresEvict, Evict,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::PRED>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::PRED>>()
-                                  .Ret<ffi::Buffer<ffi::PRED>>()
-                                  .Ret<ffi::Buffer<ffi::PRED>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::Buffer<ffi::U32>>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresEvict, jaxres::open_addressing::Evict,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
                                   .Attr<int64_t>("bucket_size")
                                   .Attr<int64_t>("window")
                                   .Attr<int64_t>("capacity")

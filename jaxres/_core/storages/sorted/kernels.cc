@@ -10,7 +10,7 @@
 
 #include "kernels.h"
 
-namespace jaxres {
+namespace jaxres::sorted {
 namespace {
 
 // Lower bounds of `m` keys (`w`, rows of W words) in the sorted rows [base[g], base[g] + len) of
@@ -149,17 +149,15 @@ ffi::Error Search(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> sorted, ffi::Buffe
 }
 
 }  // namespace
-}  // namespace jaxres
+}  // namespace jaxres::sorted
 
-using namespace jaxres;  // NOLINT: the handler below names this file's kernel
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresSearch, Search,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::Buffer<ffi::PRED>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresSearch, jaxres::sorted::Search,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>());
 
 JAXRES_REGISTER_KERNEL("jaxres_search", JaxresSearch);
