@@ -22,6 +22,7 @@ ROUTING_SEED = 0x5EED  # which shard owns a key (sharding/sharded_table.py)
 OOV_SEED = 0x5EED  # which OOV bucket an unknown key of a static vocabulary gets (a file format: never change)
 EVICTION_SEED = 0x2B0C  # where a new key's second window of eviction candidates starts
 SHARED_ROW_SEED = 0x0B0C  # which shared row an id without its own reads (nn/embedding.py; never change)
+LEAN_SECOND_BUCKET_SEED = 0x2B1C  # a key's second bucket in the lean layout (storages/lean/layout.py)
 
 # Multipliers that spread small integers over 32 bits (Knuth's golden ratio; murmur's fmix).
 GOLDEN_MIX = 0x9E3779B1
@@ -48,6 +49,13 @@ AUTO_EVICTION_SHARE = 32
 # (key words, slots per bucket) of the tables the kernels compile as constants: 1- and 2-word keys
 # in one cache line (storages/buckets.line_slots) and in a table that evicts.
 COMMON_BUCKET_SHAPES = ((2, 4), (1, 7), (2, 8), (1, 8))
+
+# The lean layout (storages/lean/layout.py): buckets of at most LEAN_MAX_BUCKET_SIZE slots, a
+# multiple of LEAN_DIGESTS_PER_WORD (a slot's one-byte digest is read a uint32 word at a time).
+LEAN_MAX_BUCKET_SIZE = 128
+LEAN_DIGESTS_PER_WORD = 4
+LEAN_ROWS_PER_BUCKET = 3  # rows a round of placement takes, per bucket (storages/lean/placing.py)
+LEAN_FIRST_BUCKET_BIAS = 4  # a new key takes its second bucket only where it has this many more free slots
 
 
 def header() -> str:

@@ -36,3 +36,16 @@ def hash_words(words: jax.Array, seed: int = constants.BUCKET_SEED) -> jax.Array
     k = _rotl(words[..., j] * _C1, 15) * _C2
     h = _rotl(h ^ k, 13) * np.uint32(5) + np.uint32(constants.HASH_ROUND_ADD)
   return _fmix(h ^ np.uint32(num_words))
+
+
+def mix(h: jax.Array, seed: int) -> jax.Array:
+  """uint32: a hash ``h`` mixed again with ``seed`` (murmur's finalizer): a second hash of the same
+  key at the cost of a few operations, independent enough of the first to choose a second bucket.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> h = jnp.array([1, 2], jnp.uint32)
+    >>> bool(jnp.all(mix(h, 7) != mix(h, 8)))
+    True
+  """
+  return _fmix(h ^ np.uint32(seed))

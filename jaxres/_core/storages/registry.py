@@ -12,13 +12,14 @@ read-only form).
 Examples:
   >>> from jaxres._core.storages import registry
   >>> sorted(registry.STORAGES), registry.DEFAULT, registry.default().__name__
-  (['open_addressing', 'sorted'], 'open_addressing', 'OpenAddressingTable')
+  (['lean', 'open_addressing', 'sorted'], 'open_addressing', 'OpenAddressingTable')
   >>> registry.storage("sorted").__name__
   'SortedTable'
 """
 
 from __future__ import annotations
 
+from jaxres._core.storages.lean import LeanTable
 from jaxres._core.storages.open_addressing import OpenAddressingTable
 from jaxres._core.storages.sorted import SortedTable
 from jaxres._core.storages.storage import Storage
@@ -36,7 +37,12 @@ __all__ = [
   "storage",
 ]
 
-STORAGES: dict[str, type[Storage]] = {"open_addressing": OpenAddressingTable, "sorted": SortedTable}
+# "lean": the slot is the row (issue 66), on the XLA path and without eviction for now: not the default.
+STORAGES: dict[str, type[Storage]] = {
+  "open_addressing": OpenAddressingTable,
+  "sorted": SortedTable,
+  "lean": LeanTable,
+}
 # The storage of tables that change: stateful tables, embeddings, admission counts, sharded tables.
 # It must evict (embeddings and admission counts do).
 DEFAULT = "open_addressing"
@@ -60,7 +66,7 @@ def storage(name: str, argument: str = "storage") -> type[Storage]:
     >>> storage("btree")
     Traceback (most recent call last):
     ...
-    ValueError: storage: expected one of ['open_addressing', 'sorted'], got 'btree'.
+    ValueError: storage: expected one of ['lean', 'open_addressing', 'sorted'], got 'btree'.
   """
   if name not in STORAGES:
     raise ValueError(f"{argument}: expected one of {sorted(STORAGES)}, got {name!r}.")
