@@ -30,7 +30,7 @@ from jaxres._core.kernels import claims
 from jaxres._core.kernels.row_ops import select_rows, take_rows, write_rows
 from jaxres._core.modes import Upsert
 from jaxres._core.policies import Policy
-from jaxres._core.table import Table
+from jaxres._core.table import Changes, LiveEntries, Table
 
 NO_SCORE = jnp.iinfo(jnp.uint32).max  # the score of a free slot
 
@@ -356,3 +356,52 @@ class Storage(Table):
     """``(words[N, W], live bool[N])`` of the slots ``slot`` alone (O(N), where :meth:`_slots` reads all)."""
     words, live = self._slots()
     return words[slot], live[slot]
+
+
+_MIN_FETCH = 64  # changed entries are fetched in power-of-two batches of at least this many
+
+
+class KeptSlots(Storage):
+  """A storage whose entries keep their slots until removed (open addressing, lean), with a change
+  stamp per value row: a save writes only the entries stamped since the last one (:meth:`changes`),
+  and a restore puts entries back at their slots (:meth:`placed`)."""
+
+  def _live_slots(self):
+    return np.flatnonzero(jax.device_get(_jit_live(self)))
+
+  def changes(self, since):
+    packed_live, packed_changed = jax.device_get(_jit_changed(self, jnp.asarray(since, jnp.uint32)))
+    live = np.unpackbits(packed_live, count=self.num_slots).astype(bool)
+    slots = np.flatnonzero(np.unpackbits(packed_changed, count=self.num_slots))
+    n = len(slots)
+    padded = np.zeros(max(_MIN_FETCH, 1 << max(0, n - 1).bit_length()), np.int32)
+    padded[:n] = slots
+    words, leaves, scores = jax.device_get(_jit_entries_at(self, jnp.asarray(padded)))
+    keys = self.key_spec.decode(jnp.asarray(np.asarray(words)[:n]))
+    values = self.value_spec.from_storage([jnp.asarray(np.asarray(x)[:n]) for x in leaves])
+    entries = LiveEntries(
+      np.asarray(keys),
+      [np.asarray(x) for x in jax.tree.leaves(values)],
+      np.asarray(scores)[:n] if self.eviction is not None else None,
+      slots,
+    )
+    return Changes(entries, live)
+
+
+@jax.jit
+def _jit_live(table: Storage) -> jax.Array:
+  return table._slots()[1]
+
+
+@jax.jit
+def _jit_changed(table: Storage, since) -> tuple[jax.Array, jax.Array]:
+  """The live slots and the live slots whose row was stamped after version ``since``, as packed bits."""
+  live, changed = table._changed_slots(since)
+  return jnp.packbits(live), jnp.packbits(changed)
+
+
+@jax.jit
+def _jit_entries_at(table: Storage, slots) -> tuple:
+  """``(words, leaves, scores)`` of the entries at ``slots``."""
+  words, _ = table._slots_at(slots)
+  return words, table._read(slots), table._scores_at(slots)

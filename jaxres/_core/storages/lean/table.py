@@ -33,15 +33,13 @@ from jaxres._core.policies import check_policy
 from jaxres._core.pytrees import pytree_dataclass, static_field
 from jaxres._core.storages.lean import placing, probing
 from jaxres._core.storages.lean.layout import MAX_BUCKET_SIZE, PER_WORD, Layout, geometry
-from jaxres._core.storages.storage import Storage, empty_fields
-from jaxres._core.table import Changes, LiveEntries, check_capacity
+from jaxres._core.storages.storage import KeptSlots, empty_fields
+from jaxres._core.table import check_capacity
 from jaxres._errors import check_int
-
-_MIN_FETCH = 64  # changed entries are fetched in power-of-two batches of at least this many
 
 
 @pytree_dataclass
-class LeanTable(Storage):
+class LeanTable(KeptSlots):
   """A mutable hash table whose slots are its value rows: 13 bytes a slot beyond the row (int64 keys).
 
   Create one with :meth:`create`; every method returns a new table (see
@@ -135,22 +133,6 @@ class LeanTable(Storage):
   @property
   def slot_layout(self):
     return np.array([1, self.num_buckets, self.bucket_size])  # shards, buckets, slots per bucket
-
-  def _live_slots(self):
-    return np.flatnonzero(jax.device_get(_jit_live(self)))
-
-  def changes(self, since):
-    packed_live, packed_changed = jax.device_get(_jit_changed(self, jnp.asarray(since, jnp.uint32)))
-    live = np.unpackbits(packed_live, count=self.num_slots).astype(bool)
-    slots = np.flatnonzero(np.unpackbits(packed_changed, count=self.num_slots))
-    n = len(slots)
-    padded = np.zeros(max(_MIN_FETCH, 1 << max(0, n - 1).bit_length()), np.int32)
-    padded[:n] = slots
-    words, leaves = jax.device_get(_jit_entries_at(self, jnp.asarray(padded)))
-    keys = self.key_spec.decode(jnp.asarray(np.asarray(words)[:n]))
-    values = self.value_spec.from_storage([jnp.asarray(np.asarray(x)[:n]) for x in leaves])
-    entries = LiveEntries(np.asarray(keys), [np.asarray(x) for x in jax.tree.leaves(values)], None, slots)
-    return Changes(entries, live)
 
   def placed(self, keys, values, scores, slots):
     empty = self._cleared()._advance()  # every entry newer than any version of this table before
@@ -256,24 +238,6 @@ class Claim(NamedTuple):
   placed: jax.Array  # bool[N]: active rows whose key was new and now has a slot (every row of the key)
   slot: jax.Array  # int32[N]: the slot (value row) of each found or placed row's key
   first: jax.Array  # int32[N]: the first row of each placed key (a row's own index elsewhere)
-
-
-@jax.jit
-def _jit_live(table: LeanTable) -> jax.Array:
-  return table._slots()[1]
-
-
-@jax.jit
-def _jit_changed(table: LeanTable, since) -> tuple[jax.Array, jax.Array]:
-  """The live slots and the live slots stamped after version ``since``, as packed bits."""
-  live, changed = table._changed_slots(since)
-  return jnp.packbits(live), jnp.packbits(changed)
-
-
-@jax.jit
-def _jit_entries_at(table: LeanTable, slots) -> tuple:
-  """``(words, leaves)`` of the entries at ``slots``."""
-  return table.keys[slots], table._read(slots)
 
 
 @jax.jit

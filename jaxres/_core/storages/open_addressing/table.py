@@ -40,17 +40,16 @@ from jaxres._core.policies import Policy, check_policy
 from jaxres._core.pytrees import pytree_dataclass, static_field
 from jaxres._core.storages.open_addressing import eviction_rounds, placing
 from jaxres._core.storages.open_addressing.buckets import LINE_WORDS, Layout
-from jaxres._core.storages.storage import NO_SCORE, Storage, empty_fields
-from jaxres._core.table import Changes, LiveEntries, check_capacity
+from jaxres._core.storages.storage import NO_SCORE, KeptSlots, Storage, empty_fields
+from jaxres._core.table import check_capacity
 from jaxres._errors import check_int
 
 _MAX_LOAD = 0.5  # live entries per slot at full capacity: short probe chains
-_MIN_FETCH = 64  # changed entries are fetched in power-of-two batches of at least this many
 _EVICTION_BUCKET = constants.EVICTING_BUCKET_SIZE
 
 
 @pytree_dataclass
-class OpenAddressingTable(Storage):
+class OpenAddressingTable(KeptSlots):
   """A mutable hash table with O(1) expected probes per key.
 
   Create one with :meth:`create`; every method returns a new table (see
@@ -165,27 +164,6 @@ class OpenAddressingTable(Storage):
   @property
   def slot_layout(self):
     return np.array([1, self.buckets.shape[-2], self.bucket_size])  # shards, buckets, slots per bucket
-
-  def _live_slots(self):
-    return np.flatnonzero(jax.device_get(_jit_live(self)))
-
-  def changes(self, since):
-    packed_live, packed_changed = jax.device_get(_jit_changed(self, jnp.asarray(since, jnp.uint32)))
-    live = np.unpackbits(packed_live, count=self.num_slots).astype(bool)
-    slots = np.flatnonzero(np.unpackbits(packed_changed, count=self.num_slots))
-    n = len(slots)
-    padded = np.zeros(max(_MIN_FETCH, 1 << max(0, n - 1).bit_length()), np.int32)
-    padded[:n] = slots
-    words, leaves, scores = jax.device_get(_jit_entries_at(self, jnp.asarray(padded)))
-    keys = self.key_spec.decode(jnp.asarray(np.asarray(words)[:n]))
-    values = self.value_spec.from_storage([jnp.asarray(np.asarray(x)[:n]) for x in leaves])
-    entries = LiveEntries(
-      np.asarray(keys),
-      [np.asarray(x) for x in jax.tree.leaves(values)],
-      np.asarray(scores)[:n] if self.eviction is not None else None,
-      slots,
-    )
-    return Changes(entries, live)
 
   def placed(self, keys, values, scores, slots):
     empty = self._cleared()._advance()  # every entry newer than any version of this table before
@@ -517,25 +495,6 @@ def line_slots(num_words: int) -> int:
     (7, 4, 3)
   """
   return max(1, (LINE_WORDS - 2) // (num_words + 1))
-
-
-@jax.jit
-def _jit_live(table: OpenAddressingTable) -> jax.Array:
-  return table._slots()[1]
-
-
-@jax.jit
-def _jit_changed(table: OpenAddressingTable, since) -> tuple[jax.Array, jax.Array]:
-  """The live slots and the live slots whose row was stamped after version ``since``, as packed bits."""
-  live, changed = table._changed_slots(since)
-  return jnp.packbits(live), jnp.packbits(changed)
-
-
-@jax.jit
-def _jit_entries_at(table: OpenAddressingTable, slots) -> tuple:
-  """``(words, leaves, scores)`` of the entries at ``slots``."""
-  words, _ = table._slots_at(slots)
-  return words, table._read(slots), table._scores_at(slots)
 
 
 @jax.jit
