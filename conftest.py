@@ -39,6 +39,16 @@ import jax  # noqa: E402
 import jax.monitoring  # noqa: E402
 import pytest  # noqa: E402
 
+# pytest imports jaxres, and with it JAX, before this file (for the warning filters of
+# pyproject.toml): JAX has read its environment already, so the cache is set here too. (Without
+# xdist, this process would otherwise compile every program afresh; xdist's workers inherit the
+# environment set above.)
+for _option, _read in (
+  ("jax_compilation_cache_dir", str),
+  ("jax_persistent_cache_min_compile_time_secs", float),
+  ("jax_persistent_cache_min_entry_size_bytes", int),
+):
+  jax.config.update(_option, _read(os.environ[_option.upper()]))
 # Sharded tables are tested on 8 CPU devices (set before any backend starts).
 jax.config.update("jax_num_cpu_devices", 8)
 

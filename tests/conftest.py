@@ -12,8 +12,8 @@ from jaxres._core.kernels import native
 @pytest.fixture(scope="module", params=["kernels", "references"])
 def kernels(request):
   """Runs a module's tests twice: with the CPU kernels (the default), and on their XLA references
-  alone (what a GPU or TPU runs), so the oracle suites check both. Module-scoped, so that JAX's
-  caches are cleared (see ``native.references``) once per module and mode, not per test."""
+  alone (what a GPU or TPU runs), so the oracle suites check both. JAX caches the programs of
+  each mode apart (see ``native.references``): the tests of other modules reuse both."""
   if request.param == "kernels":
     yield
   else:

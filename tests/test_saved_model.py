@@ -119,6 +119,25 @@ def test_saving_leaves_the_object_as_it_was(tmp_path):
   assert not model.emb.deterministic  # still in training mode
 
 
+def test_saving_keeps_the_programs_the_process_has_traced(tmp_path):
+  """Exporting traces the XLA references (no kernel) as programs of their own: a function jitted and
+  called before the save is not traced again after it (the save once cleared JAX's caches)."""
+  traces = []
+
+  @jax.jit
+  def find(table, words):
+    traces.append(words.shape)
+    return table.find(words)
+
+  table = jr.OpenAddressingTable.create(64, key=jnp.int64, value=jnp.float32)
+  words = jr.keys.split64(np.arange(4))
+  before = find(table, words)
+  signatures = {"serving_default": jr.saved_model.Signature(predict, ids=IDS)}
+  jr.saved_model.save(_trained(), tmp_path / "m", signatures)
+  same_bits(find(table, words), before)
+  assert traces == [words.shape]
+
+
 def test_served_outputs_equal_the_function_bitwise(exported, tmp_path):
   model, path = exported
   served = jr.saved_model.load(path)

@@ -108,7 +108,7 @@ def machine_for(storage, kind, capacities=CAPACITIES, max_examples=10, reference
   TableMachine.TestCase.settings = settings(
     max_examples=max_examples, stateful_step_count=25, deadline=None, suppress_health_check=list(HealthCheck)
   )
-  if references:  # the whole test case on the references: JAX's caches cleared once, not per example
+  if references:  # the whole test case on the references
 
     class OnReferences(TableMachine.TestCase):
       @classmethod

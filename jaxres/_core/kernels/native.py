@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Callable
 
 import jax
@@ -41,7 +40,10 @@ if ENABLED:
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 
 
-_TRACING = threading.local()
+# Whether programs traced here take the references alone: part of the key of JAX's caches of traced,
+# lowered and compiled programs (a ``jax.make_user_context``), so that a function traced both ways
+# keeps both programs, and entering or leaving :func:`references` costs nothing.
+_REFERENCES = jax.make_user_context(default_value=False)
 
 
 @contextlib.contextmanager
@@ -49,23 +51,28 @@ def references():
   """Traces the XLA references alone within the block: a program with no kernel in it (no custom
   call), which any JAX process (or TensorFlow, through jax2tf) can run on any platform.
 
-  JAX's caches of traced functions are cleared on entry and on exit: a
-  function traced before with the kernels (or within the block without them)
-  would otherwise be reused as it was.
+  The choice is part of the key of JAX's caches: a function jitted outside the
+  block and called within it is traced again, and each program is kept for
+  later calls of its own kind (nothing is cleared; ``jr.saved_model.save``,
+  which traces within the block, leaves a training step's program cached).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaxres as jr
+    >>> from jaxres._core.kernels import native
+    >>> table = jr.OpenAddressingTable.create(8, key=jnp.int32, value=jnp.float32)
+    >>> find = jax.jit(lambda t, k: t.find(k)[0])
+    >>> with native.references():
+    ...   text = find.lower(table, jnp.arange(2)).as_text()
+    >>> "custom_call" in text
+    False
   """
-  before = getattr(_TRACING, "references", False)
-  jax.clear_caches()
-  _TRACING.references = True
-  try:
+  with _REFERENCES(True):
     yield
-  finally:
-    _TRACING.references = before
-    jax.clear_caches()
 
 
 def kernels_traced() -> bool:
   """Whether a program traced here calls the kernels on CPU: built, enabled, not within :func:`references`."""
-  return ENABLED and not getattr(_TRACING, "references", False)
+  return ENABLED and not _REFERENCES.value
 
 
 def on_cpu(target: str, reference: Callable, results, *args, aliases=None, **attrs) -> tuple:
