@@ -11,7 +11,8 @@ beyond the capacity) score the highest (``NO_SCORE``), so no key takes one:
 
 Entries the call names are not candidates: their scores read as the highest
 while the rounds run, and are written back after. Under LRU every key a call
-names has the newest score, so no masking is needed. Entries the call placed
+names has the newest score, so no masking is needed, and no key of the call
+evicts another. Entries the call placed
 by evicting are candidates, so that the keys of one batch compete by score as
 entries of the table do: a key placed, then evicted by a later row of the
 same call, is *displaced* (reported by the row that evicted it, with the
@@ -124,9 +125,10 @@ def evict(layout: Layout, digests, keys, overflow, scores, words, pending, new_s
   )
   state = (jnp.int32(0), digests, keys, overflow, scores, out, pending)
   _, digests, keys, overflow, scores, out, _ = lax.while_loop(lambda s: jnp.any(s[-1]), round_, state)
-  if named is not None:
-    scores = scores.at[taken].set(named_scores, mode="drop")  # the rows naming a slot agree
-  return _displacements(out, words)._replace(digests=digests, keys=keys, overflow=overflow, scores=scores)
+  out = out._replace(digests=digests, keys=keys, overflow=overflow, scores=scores)
+  if named is None:  # every key of the call scores the highest: none evicts another
+    return out
+  return _displacements(out._replace(scores=scores.at[taken].set(named_scores, mode="drop")), words)
 
 
 def _lowest(layout: Layout, scores, pair) -> tuple[jax.Array, jax.Array]:
