@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 import jaxres as jr
+from jaxres._core.storages.lean import LeanTable
 
 BATCH = 6
 POOL = (np.arange(40, dtype=np.int64) * 7919 + 2**40) * np.array([1, -1] * 20)  # 64-bit keys, exact
@@ -35,13 +36,11 @@ def _compose(marked: dict, changes) -> dict:
   return kept | _by_slot(changes.entries)
 
 
-def machine_for(eviction, capacity, value=jnp.float32):
+def machine_for(eviction, capacity, value=jnp.float32, storage=jr.OpenAddressingTable):
   class ChangesMachine(RuleBasedStateMachine):
     def __init__(self):
       super().__init__()
-      self.table = jr.OpenAddressingTable.create(
-        capacity, key=jnp.int64, value=value, default=-1, eviction=eviction
-      )
+      self.table = storage.create(capacity, key=jnp.int64, value=value, default=-1, eviction=eviction)
       self.marks = []
 
     def _batch(self, picks, seed):
@@ -92,7 +91,7 @@ def machine_for(eviction, capacity, value=jnp.float32):
 
     @rule(shrink=st.booleans())
     def resize(self, shrink):  # the entries move within the same slot layout (15 or 16 entries)
-      if eviction is None and capacity == 16 and int(self.table.size) <= capacity - 1:
+      if storage is jr.OpenAddressingTable and eviction is None and capacity == 16 and self.table.size < 16:
         self.table = self.table.resize(capacity - 1 if shrink else capacity)
         assert self.table.slot_layout.tolist() == [1, 8, 4]
 
@@ -120,6 +119,10 @@ TestChangesFull = machine_for(None, 4).TestCase  # full: new keys are dropped
 TestChangesLRU = machine_for(jr.LRU(), 8).TestCase  # full: new keys evict
 TestChangesLFU = machine_for(jr.LFU(), 8).TestCase
 TestChangesCustomScore = machine_for(jr.CustomScore(), 8).TestCase
+# The lean storage evicting: a newcomer takes its victim's slot, stamped as changed.
+TestLeanChangesLRU = machine_for(jr.LRU(), 8, storage=LeanTable).TestCase
+TestLeanChangesLFU = machine_for(jr.LFU(), 8, storage=LeanTable).TestCase
+TestLeanChangesCustomScore = machine_for(jr.CustomScore(), 8, storage=LeanTable).TestCase
 
 
 def test_changes_fetch_only_what_changed():

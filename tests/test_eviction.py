@@ -1,5 +1,8 @@
 """Eviction: policies, scores, evicted entries, expiry and streaming, against a dict oracle.
 
+Every test of a storage's eviction runs on both storages that evict: open addressing (candidates
+in windows of buckets) and lean (candidates in a key's two buckets of up to 128 slots).
+
 The oracle is updated from what each call reports in ``evicted``, and checks
 after every call: every key that was in the table or offered to it is in the
 table or in ``evicted``, values are exact, ``size <= capacity``, the evictions
@@ -21,15 +24,23 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from oracle import mesh_of
 
 import jaxres as jr
+from jaxres._core.storages.lean import LeanTable
 from jaxres._persistence import table_arrays
 
 BATCH = 4
 CAPACITY = 4  # one bucket of 8 slots: every new key's candidates are the whole table
+EVICTING = ["open_addressing", "lean"]  # the storages that evict
 POOL = (np.arange(12, dtype=np.int64) * 7919 + 2**40) * np.array([1, -1] * 6)  # 64-bit keys, exact
 POLICIES = {"LRU": jr.LRU(), "LFU": jr.LFU(), "LRFU": jr.LRFU(16), "CustomScore": jr.CustomScore()}
 
 
-def _create(policy, capacity=CAPACITY, sharded=False, window=None):
+def _create(policy, capacity=CAPACITY, sharded=False, window=None, storage="open_addressing", bucket_size=8):
+  """An evicting table of ``storage`` (a lean one: by default one bucket of 8 slots up to 6 entries,
+  else buckets of 8; ``bucket_size=None``: the geometry it chooses, buckets of up to 128)."""
+  if storage == "lean":
+    return LeanTable.create(
+      capacity, key=jnp.int64, value=jnp.int32, default=-1, eviction=policy, bucket_size=bucket_size
+    )
   if sharded:
     return jr.ShardedTable.create(
       mesh_of(4),
@@ -119,6 +130,8 @@ class Oracle:
 
 def _assert_floors_exact(storage):
   """Every bucket's floor is the lowest of its slots' scores (what eviction reads instead of them)."""
+  if isinstance(storage, LeanTable):  # no floors: a new key reads its two buckets' scores
+    return
   scores, floors = np.asarray(storage.slot_scores), np.asarray(storage.bucket_floors)
   if (storage.eviction_window or 1) == 1:  # none kept: every candidate's score is read
     assert floors.size == 0
@@ -126,15 +139,16 @@ def _assert_floors_exact(storage):
   np.testing.assert_array_equal(scores.reshape(*floors.shape, -1).min(axis=-1), floors)
 
 
-def machine_for(policy, sharded=False, max_examples=10, window=2):
+def machine_for(policy, sharded=False, max_examples=10, window=2, storage="open_addressing"):
   """``window`` 2: the buckets' floors find the victims (one bucket per table or shard, twice);
-  ``None``: windows per call, every candidate's score read."""
+  ``None``: windows per call, every candidate's score read. A lean table has one bucket of 8 slots
+  (its two buckets are that one)."""
   capacity = 8 if sharded else CAPACITY  # sharded: 4 shards of 2 entries, each evicting on its own
 
   class EvictionMachine(RuleBasedStateMachine):
     def __init__(self):
       super().__init__()
-      self.table = _create(policy, capacity, sharded=sharded, window=window)
+      self.table = _create(policy, capacity, sharded=sharded, window=window, storage=storage)
       self.oracle = Oracle(policy, whole_window=not sharded)
       assert sharded or self.table.num_slots == 8  # one bucket: the candidates are every entry
 
@@ -222,6 +236,7 @@ def machine_for(policy, sharded=False, max_examples=10, window=2):
 
 for _name, _policy in POLICIES.items():
   globals()[f"Test{_name}"] = machine_for(_policy, window=None if _name == "LRU" else 2).TestCase
+  globals()[f"TestLean{_name}"] = machine_for(_policy, window=None, storage="lean").TestCase
 TestShardedLRU = pytest.mark.slow(machine_for(jr.LRU(), sharded=True, max_examples=4, window=None).TestCase)
 # LFU scores add up occurrences that travel as one row per key and device.
 TestShardedLFU = pytest.mark.slow(machine_for(jr.LFU(), sharded=True, max_examples=4).TestCase)
@@ -243,11 +258,12 @@ def _lru_step(table, keys):
   return table
 
 
-def test_lru_hit_ratio_is_close_to_an_exact_lru_cache():
+@pytest.mark.parametrize("storage", EVICTING)
+def test_lru_hit_ratio_is_close_to_an_exact_lru_cache(storage):
   """The benchmark's LRU quality goal (within 0.005), at a smaller scale."""
   capacity, batch = 1 << 10, 256
   stream = _zipf_batches(np.random.default_rng(0), 120, batch, distinct=20_000)
-  table = _create(jr.LRU(), capacity)
+  table = _create(jr.LRU(), capacity, storage=storage, bucket_size=None)
   exact, hits, exact_hits = collections.OrderedDict(), 0, 0
   for keys in stream:
     present = np.asarray(table.contains(keys))
@@ -266,9 +282,13 @@ def test_lru_hit_ratio_is_close_to_an_exact_lru_cache():
   assert abs(hits / total - exact_hits / total) < 0.005, (hits / total, exact_hits / total)
 
 
-def _hkv_table(capacity, **options):
+def _hkv_table(capacity, storage, window):
+  """A CustomScore table: open addressing with ``eviction_window=window`` (``None``: per call), or
+  lean (``window`` must be ``None``) with its own geometry, buckets of 128 slots."""
+  if storage == "lean":
+    return LeanTable.create(capacity, key=jnp.int64, value=jnp.int32, eviction=jr.CustomScore())
   return jr.OpenAddressingTable.create(
-    capacity, key=jnp.int64, value=jnp.int32, eviction=jr.CustomScore(), **options
+    capacity, key=jnp.int64, value=jnp.int32, eviction=jr.CustomScore(), eviction_window=window
   )
 
 
@@ -283,16 +303,24 @@ def _live_keys(table) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-  ("window", "bar"), [(None, 0.964), (4, 0.964), (1, 0.86)], ids=["default", "window_4", "window_1"]
+  ("storage", "window", "bar"),
+  [
+    ("open_addressing", None, 0.964),
+    ("open_addressing", 4, 0.964),
+    ("open_addressing", 1, 0.86),
+    ("lean", None, 0.964),
+  ],
+  ids=["default", "window_4", "window_1", "lean"],
 )
-def test_hkv_customized_correct_rate(window, bar):
+def test_hkv_customized_correct_rate(storage, window, bar):
   """HierarchicalKV's "customized correct rate" case: 12 rounds, each of as many new keys as the
   table holds, with rising scores (score = key). At the end the table must hold the last round:
   HKV's bar is 0.964 of the slots (its 128-slot buckets' Poisson bound), met by default (each
   round replaces the whole capacity: windows of 32 buckets) and with eviction_window=4 (64
-  candidate slots); one-bucket windows (16 slots) keep 0.87."""
+  candidate slots); one-bucket windows (16 slots) keep 0.87. A lean table's two buckets of 128
+  slots meet it as HKV's do."""
   capacity, rng = 1 << 14, np.random.default_rng(0)
-  table = _hkv_table(capacity, **({} if window is None else {"eviction_window": window}))
+  table = _hkv_table(capacity, storage, window)
   for r in range(12):
     keys = rng.permutation(np.arange(r * capacity, (r + 1) * capacity, dtype=np.int64)) + 2**33
     table = _insert_scored(table, jr.keys.split64(keys), (keys - 2**33).astype(np.uint32))
@@ -302,17 +330,24 @@ def test_hkv_customized_correct_rate(window, bar):
 
 
 @pytest.mark.parametrize(
-  ("window", "bar"), [(None, 0.995), (32, 0.995), (4, 0.965)], ids=["default", "window_32", "window_4"]
+  ("storage", "window", "bar"),
+  [
+    ("open_addressing", None, 0.995),
+    ("open_addressing", 32, 0.995),
+    ("open_addressing", 4, 0.965),
+    ("lean", None, 0.995),
+  ],
+  ids=["default", "window_32", "window_4", "lean"],
 )
-def test_hkv_eviction_quality_at_full_load(window, bar):
+def test_hkv_eviction_quality_at_full_load(storage, window, bar):
   """HierarchicalKV's "eviction quality at full load" case (dual buckets): 5 batches of as many new
   keys as the table holds, random scores; the table must hold the keys of highest score. HKV's
   bar, 0.995 of the top keys, comes from 2 x 128-slot buckets: windows of 32 buckets give as many
   candidates (2 windows x 32 buckets x 8 slots, about 256 entries), by default for batches of
   the whole capacity (every candidate's score read) and with eviction_window=32 (through floors);
-  4 gets 0.97."""
+  4 gets 0.97. A lean table's candidates are HKV's: its key's two buckets of 128 slots."""
   capacity, rng = 1 << 15, np.random.default_rng(1)
-  table = _hkv_table(capacity, **({} if window is None else {"eviction_window": window}))
+  table = _hkv_table(capacity, storage, window)
   scores = rng.integers(1, 2**32, 5 * capacity, dtype=np.uint64).astype(np.uint32)
   keys = rng.permutation(5 * capacity).astype(np.int64) * 7919 - 2**40
   for b in range(5):
@@ -324,10 +359,11 @@ def test_hkv_eviction_quality_at_full_load(window, bar):
   assert np.intersect1d(live, best).size / capacity >= bar
 
 
-def test_lfu_keeps_the_most_frequent_keys():
+@pytest.mark.parametrize("storage", EVICTING)
+def test_lfu_keeps_the_most_frequent_keys(storage):
   capacity, batch = 1 << 10, 512
   stream = _zipf_batches(np.random.default_rng(1), 80, batch, distinct=50_000)
-  table = _create(jr.LFU(), capacity)
+  table = _create(jr.LFU(), capacity, storage=storage, bucket_size=None)
   step = jax.jit(lambda t, k: t.insert(k, jnp.zeros(k.shape[:1], jnp.int32)))
   for keys in stream:
     table = step(table, jr.keys.split64(keys))
@@ -356,11 +392,12 @@ def test_lrfu_scores_are_log_decayed_weights():
   assert np.asarray(once).tolist() == [77] * 3  # named once: the clock, as LRU
 
 
-def test_lrfu_spans_recency_and_frequency():
+@pytest.mark.parametrize("storage", EVICTING)
+def test_lrfu_spans_recency_and_frequency(storage):
   """A key named often long ago: a short half-life forgets it (as LRU), a long one keeps it (as LFU)."""
   kept = {}
   for half_life in (16, 1 << 16):
-    table = jr.OpenAddressingTable.create(
+    table = (LeanTable if storage == "lean" else jr.OpenAddressingTable).create(
       2, key=jnp.int32, value=jnp.int32, eviction=jr.LRFU(half_life), bucket_size=8
     )
     table = table.insert(np.full(8, 1, np.int32), np.zeros(8, np.int32))  # 1: named 8 times
@@ -390,30 +427,43 @@ def _random_calls(table, seed, steps=12):
   return table, outputs
 
 
-@pytest.mark.parametrize("sharded", [False, True])
-def test_runs_are_deterministic(sharded):
-  first, out1 = _random_calls(_create(jr.LRU(), 4, sharded), seed=3)
-  second, out2 = _random_calls(_create(jr.LRU(), 4, sharded), seed=3)
+KINDS = [*EVICTING, "sharded"]  # the evicting storages, and a sharded table of open addressing
+
+
+def _storage_of(kind):
+  """The storage of a kind's table (a sharded table's shards: open addressing)."""
+  return "lean" if kind == "lean" else "open_addressing"
+
+
+def _create_kind(policy, capacity, kind):
+  return _create(policy, capacity, sharded=kind == "sharded", storage=_storage_of(kind))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_runs_are_deterministic(kind):
+  first, out1 = _random_calls(_create_kind(jr.LRU(), 4, kind), seed=3)
+  second, out2 = _random_calls(_create_kind(jr.LRU(), 4, kind), seed=3)
   for a, b in zip(jax.tree.leaves((first, out1)), jax.tree.leaves((second, out2))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert any(np.asarray(e.valid).any() for e in out1)  # the runs did evict
 
 
-def test_jit_does_not_retrace_and_vmap_runs_stacked_tables():
+@pytest.mark.parametrize("storage", EVICTING)
+def test_jit_does_not_retrace_and_vmap_runs_stacked_tables(storage):
   from jaxres._core import row_protocol
 
   step = jax.jit(lambda t, k, v: t.insert_and_evict(k, v))
-  table = _create(jr.LRU(), 4)
+  table = _create(jr.LRU(), 4, storage=storage)
   table, _ = step(table, jr.keys.split64(POOL[:6]), jnp.arange(6, dtype=jnp.int32))
   compiled = step._cache_size()
   table, evicted = step(table, jr.keys.split64(POOL[6:]), jnp.arange(6, dtype=jnp.int32))
   assert step._cache_size() == compiled and np.asarray(evicted.valid).sum() == 6
   eager = row_protocol.upsert._cache_size()
-  _create(jr.LRU(), 4).insert(POOL[:5], np.arange(5, dtype=np.int32))
-  _create(jr.LRU(), 4).insert(POOL[:5], np.arange(5, dtype=np.int32))
+  _create(jr.LRU(), 4, storage=storage).insert(POOL[:5], np.arange(5, dtype=np.int32))
+  _create(jr.LRU(), 4, storage=storage).insert(POOL[:5], np.arange(5, dtype=np.int32))
   assert row_protocol.upsert._cache_size() - eager <= 1
   # vmap over three stacked tables, each with its own batch: the same as one at a time.
-  tables = [_create(jr.LFU(), 4) for _ in range(3)]
+  tables = [_create(jr.LFU(), 4, storage=storage) for _ in range(3)]
   keys = np.stack([POOL[i : i + 6] for i in range(3)])
   values = np.arange(18, dtype=np.int32).reshape(3, 6)
   stacked = jax.tree.map(lambda *x: jnp.stack(x), *tables)
@@ -426,9 +476,9 @@ def test_jit_does_not_retrace_and_vmap_runs_stacked_tables():
     assert jr.keys.join64(evicted.keys[i]).tolist() == np.asarray(one.keys).tolist()
 
 
-@pytest.mark.parametrize("sharded", [False, True])
-def test_checkpoints_keep_scores_and_clock(tmp_path, sharded):
-  table, _ = _random_calls(_create(jr.LFU(), 6, sharded), seed=5)
+@pytest.mark.parametrize("kind", KINDS)
+def test_checkpoints_keep_scores_and_clock(tmp_path, kind):
+  table, _ = _random_calls(_create_kind(jr.LFU(), 6, kind), seed=5)
   root = jr.AutoTrackable()
   root.table = table
   path = jr.Checkpoint(model=root).save(tmp_path / "ckpt")
@@ -436,13 +486,13 @@ def test_checkpoints_keep_scores_and_clock(tmp_path, sharded):
   keys = np.array(sorted(entries), np.int64)
   for capacity in (len(entries), 64):  # any capacity that holds the entries
     fresh = jr.AutoTrackable()
-    fresh.table = _create(jr.LFU(), capacity)
+    fresh.table = _create(jr.LFU(), capacity, storage=_storage_of(kind))
     jr.Checkpoint(model=fresh).restore(path).assert_consumed()
     assert _entries(fresh.table) == entries
     assert fresh.table.scores(keys).tolist() == table.scores(keys).tolist()
     assert int(fresh.table.clock) == int(table.clock) and int(fresh.table.evictions) == int(table.evictions)
   small = jr.AutoTrackable()
-  small.table = _create(jr.LFU(), len(entries) - 1)
+  small.table = _create(jr.LFU(), len(entries) - 1, storage=_storage_of(kind))
   with pytest.raises(ValueError, match=r"model/table: .* do not fit"):
     jr.Checkpoint(model=small).restore(path)
   assert int(small.table.size) == 0
@@ -478,17 +528,17 @@ def test_a_bounded_stateful_table_evicts_eagerly_and_inside_nnx_jit(tmp_path):
 
 
 def _streamed(kind: str):
-  """A table of 12 entries (2 calls) of each kind that streams: open addressing, sorted, sharded."""
+  """A table of 12 entries (2 calls) of each kind that streams: open addressing, lean, sorted, sharded."""
   if kind == "sorted":
     table = jr.SortedTable.create(16, key=jnp.int64, value=jnp.int32)
   else:
-    table = _create(jr.LRU(), 16, sharded=kind == "sharded")
+    table = _create_kind(jr.LRU(), 16, kind)
   for start in (0, 5):
     table = table.insert(POOL[start : start + 7], np.arange(7, dtype=np.int32) + start)
   return table
 
 
-@pytest.mark.parametrize("kind", ["open_addressing", "sorted", "sharded"])
+@pytest.mark.parametrize("kind", [*KINDS, "sorted"])
 def test_export_batch_streams_every_entry_once_with_its_score(kind):
   table = _streamed(kind)
   streamed = {}
@@ -506,7 +556,7 @@ def test_export_batch_streams_every_entry_once_with_its_score(kind):
   assert [streamed[k][1] for k in keys.tolist()] == table.scores(keys).tolist()
 
 
-@pytest.mark.parametrize("kind", ["open_addressing", "sorted", "sharded"])
+@pytest.mark.parametrize("kind", [*KINDS, "sorted"])
 def test_export_if_streams_the_matching_entries_first_chunk_by_chunk(kind):
   table = _streamed(kind)
   entries = _entries(table)
@@ -534,8 +584,11 @@ def test_export_if_streams_the_matching_entries_first_chunk_by_chunk(kind):
   assert all(score == oracle_scores[k] for k, (_, score) in matched.items())
 
 
-def test_assign_scores_of_a_stateful_table_decide_what_is_evicted_next():
-  table = jr.MutableHashTable(np.int64, np.int32, default_value=-1, initial_capacity=8, eviction=jr.LRU())
+@pytest.mark.parametrize("storage", EVICTING)
+def test_assign_scores_of_a_stateful_table_decide_what_is_evicted_next(storage):
+  table = jr.MutableHashTable(
+    np.int64, np.int32, default_value=-1, initial_capacity=8, eviction=jr.LRU(), storage=storage
+  )
   table.insert(POOL[:8], np.arange(8, dtype=np.int32))  # all at clock 1
   table.assign_scores(np.concatenate([POOL[:4], POOL[10:11]]))  # keys 0-3 touched (clock 2); 10 absent
   assert len(table) == 8 and not table.contains(POOL[10:11]).any()
@@ -546,8 +599,9 @@ def test_assign_scores_of_a_stateful_table_decide_what_is_evicted_next():
     jr.MutableHashTable(np.int64, np.int32, default_value=-1).assign_scores(POOL[:2])
 
 
-def test_erase_if_expires_entries_by_age():
-  table = _create(jr.LRU(), 16)
+@pytest.mark.parametrize("storage", EVICTING)
+def test_erase_if_expires_entries_by_age(storage):
+  table = _create(jr.LRU(), 16, storage=storage)
   for start in range(0, 12, 3):  # keys 3c..3c+2 named by call c + 1
     table = table.insert(POOL[start : start + 3], np.full(3, start, np.int32))
   table = table.insert(POOL[:1], np.zeros(1, np.int32))  # the oldest key, touched again (clock 5)
@@ -572,8 +626,9 @@ def test_erase_if_on_a_sharded_table_erases_in_every_shard():
   assert set(_entries(erased)) == set(POOL[:3].tolist()) and int(erased.size) == 3
 
 
-def test_resize_keeps_entries_scores_and_counters():
-  table, _ = _random_calls(_create(jr.LFU(), 6), seed=9)
+@pytest.mark.parametrize("storage", EVICTING)
+def test_resize_keeps_entries_scores_and_counters(storage):
+  table, _ = _random_calls(_create(jr.LFU(), 6, storage=storage), seed=9)
   keys = np.array(sorted(_entries(table)), np.int64)
   for capacity in (len(keys), 32):
     resized = table.resize(capacity)
@@ -582,15 +637,15 @@ def test_resize_keeps_entries_scores_and_counters():
     assert (int(resized.clock), int(resized.evictions)) == (int(table.clock), int(table.evictions))
 
 
-@pytest.mark.parametrize("sharded", [False, True])
-def test_a_table_restored_into_its_own_layout_continues_exactly(tmp_path, sharded):
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_table_restored_into_its_own_layout_continues_exactly(tmp_path, kind):
   """Entries go back to their slots, so later evictions (which depend on where entries sit) are the same."""
-  table, _ = _random_calls(_create(jr.LRU(), 8, sharded), seed=11)
+  table, _ = _random_calls(_create_kind(jr.LRU(), 8, kind), seed=11)
   root = jr.AutoTrackable()
   root.table = table
   path = jr.Checkpoint(model=root).save(tmp_path / "ckpt")
   fresh = jr.AutoTrackable()
-  fresh.table = _create(jr.LRU(), 8, sharded)
+  fresh.table = _create_kind(jr.LRU(), 8, kind)
   jr.Checkpoint(model=fresh).restore(path).assert_consumed()
   (keys, _, _, live), (want, _, _, want_live) = (t.export_batch(0, t.num_slots) for t in (fresh.table, table))
   assert np.array_equal(live, want_live) and np.array_equal(np.asarray(keys)[live], np.asarray(want)[live])
@@ -600,8 +655,9 @@ def test_a_table_restored_into_its_own_layout_continues_exactly(tmp_path, sharde
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_corrupted_slots_are_a_value_error_and_change_nothing():
-  table, _ = _random_calls(_create(jr.LRU(), 8), seed=13)
+@pytest.mark.parametrize("storage", EVICTING)
+def test_corrupted_slots_are_a_value_error_and_change_nothing(storage):
+  table, _ = _random_calls(_create(jr.LRU(), 8, storage=storage), seed=13)
   arrays = table_arrays.to_arrays(table)
   for slots in (np.zeros_like(arrays["slots"]), arrays["slots"] + 10**6):
     with pytest.raises(ValueError, match="slots"):

@@ -40,14 +40,15 @@ class MutableHashTable(LookupTable):
     default_value: value of missing keys; its shape is the per-entry value shape.
     initial_capacity: live entries before the first growth; with an eviction
       policy, the bound the table never grows past.
-    storage: ``"open_addressing"`` (default) or ``"sorted"``.
+    storage: a kind of ``jaxres._core.storages.registry.STORAGES``: ``"open_addressing"``
+      (default), ``"sorted"`` or ``"lean"``.
     device: optional ``jax.Device`` or sharding for the state.
     max_key_length: for ``str`` keys, the longest key in UTF-8 bytes.
     max_value_length: for ``str`` values, the longest value in UTF-8 bytes.
     eviction: ``None`` (the table grows), or ``jr.LRU()``, ``jr.LFU()``,
       ``jr.CustomScore()``: a bounded table of ``initial_capacity`` entries
       that evicts by the policy when full, eagerly and inside ``nnx.jit``
-      (open addressing only).
+      (open addressing and lean storages).
 
   With ``jax_enable_x64`` off, 64-bit integer keys and values are exact (NumPy
   arrays on the host); ``float64`` values are stored as ``float32``.

@@ -45,32 +45,37 @@ MAX_BUCKET_SIZE = constants.LEAN_MAX_BUCKET_SIZE
 PER_WORD = constants.LEAN_DIGESTS_PER_WORD  # digests per uint32 word
 _SLACK = 50  # slots beyond the capacity: capacity // _SLACK (2 %), a full table's buckets 98 % full
 _MOST = 1.03  # the most slots a capacity of 4096 or more gets, as a multiple of it
-_LARGEST = 64  # the largest bucket chosen by default: its digests fill one cache line
+_LARGEST_KEEPING = 64  # the largest bucket of a table that does not evict: its digests fill a cache line
 
 
-def geometry(capacity: int, bucket_size: int | None = None) -> tuple[int, int]:
+def geometry(capacity: int, bucket_size: int | None = None, evicting: bool = False) -> tuple[int, int]:
   """``(num_buckets, bucket_size)`` of a table of ``capacity`` entries.
 
   At least ``capacity + capacity // 50`` slots. Without a ``bucket_size``, the
-  largest bucket size (a multiple of 4, from 32 to 64) whose slots stay within
-  1.03 x the capacity; a table too small for that gets one bucket, or the
-  bucket size of fewest slots.
+  largest bucket size (a multiple of 4, from half the largest up) whose slots
+  stay within 1.03 x the capacity, the largest being 128 for a table that
+  evicts (a new key's candidates are its two buckets' slots: HierarchicalKV's
+  eviction quality needs buckets that large) and 64 for one that does not; a
+  table too small for that gets one bucket, or the bucket size of fewest slots.
 
   Examples:
     >>> [geometry(c) for c in (4, 10, 1000, 4096, 1 << 20)]
     [(1, 4), (1, 12), (16, 64), (70, 60), (16712, 64)]
+    >>> [geometry(c, evicting=True) for c in (100, 1000, 4096, 1 << 20)]
+    [(1, 104), (8, 128), (34, 124), (8356, 128)]
     >>> geometry(4, bucket_size=8)
     (1, 8)
   """
   target = capacity + capacity // _SLACK
   if bucket_size is not None:
     return math.ceil(target / bucket_size), bucket_size
-  if target <= _LARGEST:
+  largest = MAX_BUCKET_SIZE if evicting else _LARGEST_KEEPING
+  if target <= largest:
     return 1, -(-target // PER_WORD) * PER_WORD
   most = max(target, int(capacity * _MOST))
-  sizes = range(_LARGEST, PER_WORD - 1, -PER_WORD)
+  sizes = range(largest, PER_WORD - 1, -PER_WORD)
   for size in sizes:
-    if size >= _LARGEST // 2 and math.ceil(target / size) * size <= most:
+    if size >= largest // 2 and math.ceil(target / size) * size <= most:
       return math.ceil(target / size), size
   size = min(sizes, key=lambda b: (math.ceil(target / b) * b, -b))
   return math.ceil(target / size), size

@@ -2,18 +2,21 @@
 
 Each entry lives in one slot of one of its key's two buckets (rarely past the
 first, when both were full: see :mod:`layout`), and everything it has is at
-that slot's index: key words, a one-byte digest, the value row and a change
-stamp. Beyond the value row that is 13 bytes a slot for 64-bit keys (9 for
-32-bit keys), and the table has about 2 % more slots than its capacity.
+that slot's index: key words, a one-byte digest, the value row, a change
+stamp and, with an eviction policy, a score. Beyond the value row that is 13
+bytes a slot for 64-bit keys (9 for 32-bit keys), 17 (13) with eviction, and
+the table has about 2 % more slots than its capacity.
 
 * **Conflicts resolved by claims, not by racing scatters** (:mod:`placing`):
   per-call work is O(batch) and never touches the whole capacity.
 * **Exact when full.** New keys are admitted in batch order, the first
-  ``capacity - size`` of them; the others are counted in ``dropped``.
+  ``capacity - size`` of them; without an eviction policy the others are
+  counted in ``dropped``; with one they evict an entry of their two buckets
+  (:mod:`eviction`), so ``size`` never exceeds ``capacity``.
 * **No tombstones.** A bucket's overflow count is the number of live entries
   that probed past it; removing one lowers the counts it raised.
 
-It runs on the XLA path on every backend, and does not evict yet.
+It runs on the XLA path on every backend.
 """
 
 from __future__ import annotations
@@ -25,22 +28,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxres._core import call_args
+from jaxres._core import call_args, ordering
 from jaxres._core.encoding import key_specs
 from jaxres._core.encoding.value_specs import ValueSpec
-from jaxres._core.kernels.row_ops import select_rows, take_rows
-from jaxres._core.policies import check_policy
+from jaxres._core.kernels import claims
+from jaxres._core.kernels.row_ops import read_rows, select_rows, take_rows
+from jaxres._core.modes import Upsert
+from jaxres._core.policies import Policy, check_policy
 from jaxres._core.pytrees import pytree_dataclass, static_field
-from jaxres._core.storages.lean import placing, probing
+from jaxres._core.storages.lean import eviction, placing, probing
 from jaxres._core.storages.lean.layout import MAX_BUCKET_SIZE, PER_WORD, Layout, geometry
-from jaxres._core.storages.storage import KeptSlots, empty_fields
+from jaxres._core.storages.storage import NO_SCORE, KeptSlots, empty_fields
 from jaxres._core.table import check_capacity
 from jaxres._errors import check_int
 
 
 @pytree_dataclass
 class LeanTable(KeptSlots):
-  """A mutable hash table whose slots are its value rows: 13 bytes a slot beyond the row (int64 keys).
+  """A mutable hash table whose slots are its value rows: 13 bytes a slot beyond the row (int64 keys),
+  17 with an eviction policy.
 
   Create one with :meth:`create`; every method returns a new table (see
   :class:`Table` for the full method list and batch semantics).
@@ -59,22 +65,32 @@ class LeanTable(KeptSlots):
   overflow: jax.Array  # uint32[num_buckets]: live entries that probed past each bucket
   values: tuple  # leaves [num_slots, *storage_shape]: each slot's value row
   default: tuple  # leaves [*storage_shape]
-  slot_scores: jax.Array  # uint32[0]: no eviction yet
+  slot_scores: jax.Array  # uint32[num_slots] with an eviction policy, else uint32[0]
   row_stamps: jax.Array  # uint32[num_slots]: the version when each slot's entry last changed
   version: jax.Array  # uint32: calls that changed the table so far (see Storage)
   size: jax.Array  # shape=(), dtype=int32
   dropped: jax.Array  # shape=(), dtype=int32
   clock: jax.Array  # shape=(), dtype=uint32
-  evictions: jax.Array  # shape=(), dtype=int32: always 0
+  evictions: jax.Array  # shape=(), dtype=int32
   capacity: int = static_field()
   key_spec: key_specs.KeySpec = static_field()
   value_spec: ValueSpec = static_field()
-  eviction: None = static_field()
+  eviction: Policy | None = static_field()
   num_buckets: int = static_field()
   bucket_size: int = static_field()
 
   @classmethod
-  def create(cls, capacity: int, key, value, default=0, *, bucket_size: int | None = None, eviction=None):
+  def create(
+    cls,
+    capacity: int,
+    key,
+    value,
+    default=0,
+    *,
+    bucket_size: int | None = None,
+    eviction: Policy | None = None,
+    eviction_window=None,
+  ) -> LeanTable:
     """An empty table guaranteed to hold ``capacity`` live entries, however its keys hash.
 
     Args:
@@ -84,13 +100,22 @@ class LeanTable(KeptSlots):
       value: a dtype, a ``jax.ShapeDtypeStruct``, or a pytree of them.
       default: value returned for missing keys; a matching pytree, scalars broadcast.
       bucket_size: slots per bucket, a multiple of 4 up to 128; by default the
-        largest (64 for most capacities) that keeps the table's slots within
-        3 % of its capacity (see :func:`layout.geometry`).
-      eviction: must be ``None``: this layout does not evict yet.
+        largest (for most capacities 64, or 128 for a table that evicts) that
+        keeps the table's slots within 3 % of its capacity (see
+        :func:`layout.geometry`).
+      eviction: ``None`` (a full table refuses new keys, counted in
+        ``dropped``), or ``jr.LRU()``, ``jr.LFU()``, ``jr.LRFU()``,
+        ``jr.CustomScore()``: a full table evicts, a new key replacing the
+        entry of lowest score of its two buckets (see :mod:`eviction`).
+        Scores take 4 bytes a slot.
+      eviction_window: must be ``None``: a new key's candidates are the slots of
+        its two buckets, not windows of buckets (an option of
+        :class:`OpenAddressingTable`).
 
     Raises:
-      TypeError: unsupported key or value dtype, non-integer ``capacity`` or ``bucket_size``.
-      ValueError: ``capacity`` or ``bucket_size`` out of range, or an eviction policy given.
+      TypeError: unsupported key or value dtype, non-integer ``capacity`` or
+        ``bucket_size``, an ``eviction`` that is not a policy.
+      ValueError: ``capacity`` or ``bucket_size`` out of range, or an ``eviction_window`` given.
 
     Examples:
       >>> import jax.numpy as jnp, jaxres as jr
@@ -98,22 +123,28 @@ class LeanTable(KeptSlots):
       Traceback (most recent call last):
       ...
       ValueError: bucket_size: expected a multiple of 4, got 6.
-      >>> LeanTable.create(8, key=jnp.int32, value=jnp.float32, eviction=jr.LRU())
+      >>> LeanTable.create(8, key=jnp.int32, value=jnp.float32, eviction=jr.LRU(), eviction_window=4)
       Traceback (most recent call last):
       ...
-      ValueError: eviction: a LeanTable cannot evict yet; use jr.OpenAddressingTable for eviction=jr.LRU().
+      ValueError: eviction_window: a LeanTable evicts among a new key's two buckets; expected None, got 4.
+      >>> t = LeanTable.create(2, key=jnp.int32, value=jnp.float32, eviction=jr.LRU())
+      >>> t = t.insert(jnp.array([1, 2]), jnp.ones(2)).insert(jnp.array([1]), jnp.ones(1))  # 2: the older
+      >>> t, evicted = t.insert_and_evict(jnp.array([3]), jnp.ones(1))
+      >>> evicted.keys.tolist(), int(t.size), int(t.evictions)
+      ([2], 2, 1)
     """
     capacity = check_capacity(capacity)
-    if check_policy(eviction) is not None:
-      raise ValueError(
-        f"eviction: a LeanTable cannot evict yet; use jr.OpenAddressingTable for eviction={eviction}."
-      )
+    eviction = check_policy(eviction)
+    if eviction_window is not None:
+      message = "a LeanTable evicts among a new key's two buckets; expected None"
+      raise ValueError(f"eviction_window: {message}, got {eviction_window!r}.")
     key_spec, value_spec, default = cls._specs(key, value, default)
     if bucket_size is not None:
       bucket_size = check_int(bucket_size, "bucket_size", low=PER_WORD, high=MAX_BUCKET_SIZE)
       if bucket_size % PER_WORD:
         raise ValueError(f"bucket_size: expected a multiple of {PER_WORD}, got {bucket_size}.")
-    return _empty(capacity, key_spec, value_spec, default, *geometry(capacity, bucket_size))
+    shape = geometry(capacity, bucket_size, evicting=eviction is not None)
+    return _empty(capacity, key_spec, value_spec, default, *shape, eviction)
 
   # ------------------------------------------------------------- layout
 
@@ -141,9 +172,9 @@ class LeanTable(KeptSlots):
     if not rows.n:
       return empty
     slots = call_args.pad_to(jnp.asarray(slots, jnp.int32), rows)
-    return _jit_place(empty, rows.words, rows.leaves, slots, rows.active)
+    return _jit_place(empty, rows.words, rows.leaves, rows.given_scores, slots, rows.active)
 
-  def _place_rows(self, words, leaves, slots, valid):
+  def _place_rows(self, words, leaves, given_scores, slots, valid):
     """This empty table with the rows' entries at ``slots`` (distinct), where ``valid``; a slot in
     neither of its key's buckets counts as probed on from the first."""
     layout = self.layout
@@ -156,11 +187,15 @@ class LeanTable(KeptSlots):
       overflow=layout.shift_overflow(self.overflow, first, slots, valid & on, +1),
     )
     table = table._put(slots, leaves, valid)
+    if given_scores is not None:
+      table = table._set_scores(slots, given_scores, valid)
     return dataclasses.replace(table, size=jnp.sum(valid, dtype=jnp.int32))
 
   def _with_capacity(self, capacity):
-    given = self.bucket_size if geometry(self.capacity) != (self.num_buckets, self.bucket_size) else None
-    return _empty(capacity, self.key_spec, self.value_spec, self.default, *geometry(capacity, given))
+    evicting = self.eviction is not None
+    chosen = geometry(self.capacity, evicting=evicting) == (self.num_buckets, self.bucket_size)
+    shape = geometry(capacity, None if chosen else self.bucket_size, evicting=evicting)
+    return _empty(capacity, self.key_spec, self.value_spec, self.default, *shape, self.eviction)
 
   # ------------------------------------------------------------ queries
 
@@ -187,26 +222,50 @@ class LeanTable(KeptSlots):
   # ---------------------------------------------------------- mutations
 
   def _upsert_rows(self, words, leaves, active, mode, given_scores=None, weights=None):
-    del given_scores, weights  # no scores kept
-    table, claim = self._claim(words, active)
+    table, claim = self._claim(words, active, mode, given_scores, weights)
+    table, evicted = table._evicted(
+      claim.victims, take_rows(leaves, claim.victims.offered) if claim.victims else None
+    )
+    if evicted is not None:  # the victims' values are read before the newcomers write their rows
+      claim = claim._replace(placed=ordering.after(claim.placed, *evicted[1]))
     index = jnp.arange(words.shape[0], dtype=jnp.int32)
     if not mode.keeps_present:
-      return table._put_last(claim.slot, leaves, claim.found | claim.placed), [], None
+      return table._put_last(claim.slot, leaves, claim.found | claim.placed), [], evicted
     defaults = [jnp.broadcast_to(d, x.shape) for d, x in zip(table.default, leaves)]
     new_values = select_rows(claim.placed, take_rows(leaves, claim.first), defaults)
     table = table._put(claim.slot, leaves, claim.placed & (claim.first == index))
     # Found keys' values are read after the write (which leaves them as they were): a read of
     # the old array would keep it alive next to the new one, and XLA would copy it whole.
-    return table, select_rows(claim.found, take_rows(table.values, claim.slot), new_values), None
+    return table, select_rows(claim.found, take_rows(table.values, claim.slot), new_values), evicted
 
   def _claim_rows(self, words, active, given_scores=None, weights=None):
-    del given_scores, weights  # no scores kept
-    table, claim = self._claim(words, active)
-    return table, jnp.where(claim.found | claim.placed, claim.slot, -1), claim.found, claim.placed, None
+    table, claim = self._claim(words, active, Upsert.FIND_OR_INSERT, given_scores, weights)
+    slot = jnp.where(claim.found | claim.placed, claim.slot, -1)
+    victims = claim.victims
+    if victims is None:
+      return table, slot, claim.found, claim.placed, None
+    # No row is written here: the victims' values are still in their slots, read by a plain
+    # gather that the compiled program drops when the caller does not use them. A refused
+    # key offered no value: it reports the default.
+    offered = [jnp.broadcast_to(d, (words.shape[0], *d.shape)) for d in self.default]
+    values = select_rows(victims.refused, offered, take_rows(table.values, victims.slot))
+    return table, slot, claim.found, claim.placed, (victims.words, values, victims.scores, victims.valid)
 
-  def _claim(self, words, active) -> tuple[LeanTable, Claim]:
-    """Locates the rows' keys and gives the new ones that fit slots (stamped; their values are left
-    as they were: the caller writes them)."""
+  def _evicted(self, victims: Victims | None, offered) -> tuple[LeanTable, tuple | None]:
+    """``(table, evicted)``: the victims' entries, read before the newcomers write their slots.
+
+    ``offered``: the value leaves a refused (or displaced) key reports.
+    """
+    if victims is None:
+      return self, None
+    values, victim_values = read_rows(self.values, victims.slot)
+    leaves = select_rows(victims.refused, offered, victim_values)
+    table = dataclasses.replace(self, values=tuple(values))
+    return table, (victims.words, leaves, victims.scores, victims.valid)
+
+  def _claim(self, words, active, mode, given_scores, weights) -> tuple[LeanTable, Claim]:
+    """Locates the rows' keys and gives the new ones slots, evicting when the table is full (stamped;
+    their values are left as they were: the caller writes them)."""
     index = jnp.arange(words.shape[0], dtype=jnp.int32)
     active = jnp.ones(words.shape[0], bool) if active is None else active  # masked rows do nothing
     up = placing.upsert_slots(self.layout, *self._arrays(), words, active, self.size, self.capacity)
@@ -216,19 +275,88 @@ class LeanTable(KeptSlots):
       keys=up.keys,
       overflow=up.overflow,
       size=self.size + jnp.sum(up.admitted & (up.first == index), dtype=jnp.int32),
-      dropped=self.dropped + up.dropped,
+      dropped=self.dropped + (up.dropped if self.eviction is None else 0),
     )
-    return table._stamped(up.slot, up.admitted), Claim(up.found, up.admitted, up.slot, up.first)
+    if self.eviction is None:
+      return table._stamped(up.slot, up.admitted), Claim(up.found, up.admitted, up.slot, up.first, None)
+    # With an eviction policy, the new keys that do not fit evict instead of being dropped, and
+    # every key named gets a new score.
+    to_evict = active & ~up.found & ~up.admitted
+    table, claim = table._claim_evicting(
+      words, up.found, up.admitted, to_evict, up.slot, up.first, given_scores, mode, weights
+    )
+    return table._stamped(claim.slot, claim.found | claim.placed), claim
+
+  def _claim_evicting(self, words, found, admitted, to_evict, slot, first, given_scores, mode, weights):
+    """The rest of a claim with an eviction policy: scores, then the new keys that do not fit evict
+    (:mod:`eviction`). ``slot`` and ``first``: each row's slot and the first row of each new key."""
+    index = jnp.arange(words.shape[0], dtype=jnp.int32)
+    named = found | admitted | to_evict
+    # Rows are grouped by key where scores need it (counts, given scores); placing grouped the new
+    # keys' rows. Under LRU every row of a present key writes the same clock.
+    if given_scores is not None or self.eviction.counts:
+      first = claims.owner_per_key(words, named)
+    # The last row of each key: whose value an insert keeps, whose score was given.
+    takes_last = not mode.keeps_present or given_scores is not None
+    last = claims.owner_per_key(words, named, last=True) if takes_last else first
+    stored = found | admitted
+    # Explicit scores: CustomScore, or entries moved by resize and import.
+    old = None if given_scores is not None else jnp.where(found, self.slot_scores[slot], jnp.uint32(0))
+    score = self._policy_scores(named, first, last, old, given_scores, weights)
+    heads = named & (first == index)
+    scored = self._set_scores(slot, score, stored & heads)
+    protect = None if self.eviction.names_newest and given_scores is None else jnp.where(stored, slot, -1)
+    outcome = eviction.evict(
+      self.layout, *self._arrays(), scored.slot_scores, words, to_evict & heads, score, protect
+    )
+    placed = to_evict & outcome.placed[first]  # the rows of a key that took a slot follow its first row
+    refused = to_evict & heads & outcome.refused
+    evicted = heads & (outcome.placed | outcome.displaced)  # rows whose key made an entry leave
+    table = dataclasses.replace(
+      self,
+      digests=outcome.digests,
+      keys=outcome.keys,
+      overflow=outcome.overflow,
+      slot_scores=outcome.scores,
+      evictions=self.evictions + jnp.sum(evicted | refused, dtype=jnp.int32),
+    )
+    offered = first if mode.keeps_present else last
+    # A row whose victim was a key of this call (displaced) reports that key's offered value.
+    newcomer = outcome.victim_batch >= 0
+    victims = Victims(
+      words=jnp.where(refused[:, None], words, outcome.victim_words),
+      slot=outcome.slot,
+      scores=jnp.where(refused, score, outcome.victim_score),
+      valid=refused | evicted,
+      refused=refused | newcomer,
+      offered=jnp.where(newcomer, offered[jnp.maximum(outcome.victim_batch, 0)], offered),
+    )
+    slot = jnp.where(placed, outcome.slot[first], slot)
+    return table, Claim(found, admitted | placed, slot, first, victims)
 
   def _release(self, words, slot, mask):
     layout = self.layout
     _, _, digest = layout.buckets_of(words)
     first, on = layout.probed_on(words, slot)
-    return dataclasses.replace(
+    table = dataclasses.replace(
       self,
       digests=layout.with_digests(self.digests, slot, jnp.uint32(0) - digest, mask),
       overflow=layout.shift_overflow(self.overflow, first, slot, mask & on, -1),
     )
+    if self.eviction is not None:  # a free slot scores the highest: no new key evicts it
+      table = table._set_scores(slot, NO_SCORE, mask)
+    return table
+
+
+class Victims(NamedTuple):
+  """The entries a claim evicted or refused, one per key row (see ``Table.insert_and_evict``)."""
+
+  words: jax.Array  # uint32[N, W]: the victim's key (a refused row: its own)
+  slot: jax.Array  # int32[N]: the victim's slot (its value row), read before a newcomer writes it
+  scores: jax.Array  # uint32[N]
+  valid: jax.Array  # bool[N]: the rows that evicted an entry or were refused
+  refused: jax.Array  # bool[N]: the row reports a key of the call (refused, or displaced by the row)
+  offered: jax.Array  # int32[N]: the row whose value that key offered
 
 
 class Claim(NamedTuple):
@@ -238,14 +366,15 @@ class Claim(NamedTuple):
   placed: jax.Array  # bool[N]: active rows whose key was new and now has a slot (every row of the key)
   slot: jax.Array  # int32[N]: the slot (value row) of each found or placed row's key
   first: jax.Array  # int32[N]: the first row of each placed key (a row's own index elsewhere)
+  victims: Victims | None  # with an eviction policy
 
 
 @jax.jit
-def _jit_place(table: LeanTable, words, leaves, slots, valid) -> LeanTable:
-  return table._place_rows(words, leaves, slots, valid)
+def _jit_place(table: LeanTable, words, leaves, given_scores, slots, valid) -> LeanTable:
+  return table._place_rows(words, leaves, given_scores, slots, valid)
 
 
-def _empty(capacity, key_spec, value_spec, default, num_buckets, bucket_size):
+def _empty(capacity, key_spec, value_spec, default, num_buckets, bucket_size, eviction):
   slots = num_buckets * bucket_size
   return LeanTable(
     keys=jnp.zeros((slots, key_spec.num_words), jnp.uint32),
@@ -254,6 +383,6 @@ def _empty(capacity, key_spec, value_spec, default, num_buckets, bucket_size):
     num_buckets=num_buckets,
     bucket_size=bucket_size,
     **empty_fields(
-      capacity, key_spec, value_spec, default, slots=slots, rows=slots, eviction=None, stamps=True
+      capacity, key_spec, value_spec, default, slots=slots, rows=slots, eviction=eviction, stamps=True
     ),
   )
