@@ -80,7 +80,12 @@ def test_benchmark_harness_runs_on_tiny_sizes():
     (
       "memory",
       ["--capacity", "1024", "--features", "4"],
-      ["| `optax.adam` | int64 | jr.LRU() | ", "| `admission_capacity` ids | int32 | "],
+      [
+        "| `optax.adam` | int64 | jr.LRU() | ",
+        "| `admission_capacity` ids | int32 | ",
+        "| open_addressing | int64 | jr.LRU() | 1.000 | ",
+        "| lean | int32 | jr.LRU() | ",
+      ],
     ),
     (
       "deltas",
