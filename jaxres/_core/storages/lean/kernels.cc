@@ -49,6 +49,15 @@ struct Slots {
     for (int64_t at = 0; at < bucket_size; at += 64) __builtin_prefetch(line + at);
   }
 
+  // The first slot of `bucket` whose digest is `digest`, or -1.
+  int64_t FirstMatch(int64_t bucket, uint32_t digest) const {
+    const uint8_t* line = digests + bucket * bucket_size;
+    for (int64_t at = 0; at < bucket_size; ++at) {
+      if (line[at] == digest) return bucket * bucket_size + at;
+    }
+    return -1;
+  }
+
   // The slot of `bucket` that holds key `w` (its digest `digest`), or -1: the slots whose digest
   // matches, in order, their key words compared.
   int64_t Find(int64_t bucket, const uint32_t* w, uint32_t digest) const {
@@ -91,7 +100,8 @@ struct Slots {
 };
 
 // The buckets of `n` key rows `w`, hashed and their digest lines prefetched kAhead rows before the
-// search reads them (in a ring, so the hashing overlaps the memory reads it waits for).
+// search reads them (in a ring, so the hashing overlaps the memory reads it waits for), then the
+// key words of the first digest match of each bucket kLate rows before it.
 class BucketsAhead {
  public:
   BucketsAhead(const Slots& t, const uint32_t* w, int64_t n) : t_(t), w_(w), n_(n) {
@@ -100,18 +110,26 @@ class BucketsAhead {
   // Row k's buckets and digest; fetches row k + kAhead's.
   void Next(int64_t k, int64_t* first, int64_t* second, uint32_t* digest) {
     if (k + kAhead < n_) Fetch(k + kAhead);
+    if (k + kLate < n_) FetchKeys(k + kLate);
     *first = first_[k % kRing];
     *second = second_[k % kRing];
     *digest = digest_[k % kRing];
   }
 
  private:
-  static constexpr int64_t kRing = 2 * kAhead;
+  static constexpr int64_t kRing = 2 * kAhead, kLate = kAhead / 2;
   void Fetch(int64_t k) {
     const int64_t r = k % kRing;
     t_.BucketsOf(w_ + k * t_.num_words, &first_[r], &second_[r], &digest_[r]);
     t_.Prefetch(first_[r]);
     t_.Prefetch(second_[r]);
+  }
+  void FetchKeys(int64_t k) {
+    const int64_t r = k % kRing;
+    for (int64_t bucket : {first_[r], second_[r]}) {
+      const int64_t slot = t_.FirstMatch(bucket, digest_[r]);
+      if (slot >= 0) __builtin_prefetch(t_.keys + slot * t_.num_words);
+    }
   }
   const Slots& t_;
   const uint32_t* w_;
