@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 import jaxres as jr
 from jaxres._core.kernels import claims, grouping, native, row_ops
 from jaxres._core.modes import Upsert
+from jaxres._core.storages.lean import LeanTable, probing
 from jaxres._core.storages.open_addressing import eviction_rounds, placing
 from jaxres._core.storages.storage import Storage
 
@@ -186,6 +187,70 @@ def test_lookup_kernel_equals_its_reference(num_words, bucket_size, value, seed)
     kernel, reference = _lookup(table, words, defaults, False), _lookup(table, words, defaults, True)
     _assert_same(kernel, reference)
   assert 0 < int(np.sum(reference[1])) < 80  # hits and misses
+
+
+@functools.partial(jax.jit, static_argnames="reference")
+def _lean_reads(table, words, defaults, reference):
+  """``(hit, slot)`` and ``(values, found)`` of a lean table: the kernels, or the XLA references alone."""
+  if not reference:
+    return table._locate(words), table._lookup_rows(words, defaults)
+  with native.references():
+    return probing.locate(table.layout, *table._arrays(), words), table._lookup_rows(words, defaults)
+
+
+# Bucket sizes of the lean layout: 16-slot digest blocks with and without a tail of 4 or 8 slots,
+# buckets below one block, and the default (64 for 64 entries); every value spec.
+LEAN_CONFIGS = [
+  ((i + j) % 3 + 1, bucket_size, value)
+  for i, bucket_size in enumerate([4, 8, 20, None])
+  for j, value in enumerate(VALUES)
+]
+
+
+@pytest.mark.skipif(not native.ENABLED, reason="kernels off")
+@pytest.mark.parametrize(("num_words", "bucket_size", "value"), LEAN_CONFIGS)
+@settings(max_examples=2, deadline=None)
+@given(seed=st.integers(0, 2**16))
+def test_lean_read_kernels_equal_their_references(num_words, bucket_size, value, seed):
+  """Locate and lookup of a lean table grown full by random inserts and removes (4-slot buckets: keys
+  probed past both of theirs), for present keys, absent ones and repeats, with digest matches of keys
+  a bucket does not hold; per-row, shared and no defaults (contains)."""
+  rng = np.random.default_rng(seed)
+  spec, default = VALUES[value]
+  table = LeanTable.create(64, key=KEYS[num_words], value=spec, default=default, bucket_size=bucket_size)
+  pool = rng.integers(0, 2**32, (200, num_words), dtype=np.uint32)
+  for round in range(5):  # the last one fills the table
+    keys = pool[rng.integers(0, len(pool), 40)] if round < 4 else pool[:96]
+    values = [(rng.random((len(keys), *d.shape)) * 20 - 10).astype(d.dtype) for d in table.default]
+    table = _insert_rows(table, jnp.asarray(keys), [jnp.asarray(v) for v in values])
+    if round < 4:
+      table = _remove_words(table, jnp.asarray(pool[rng.integers(0, len(pool), 8)]))
+  words = jnp.asarray(np.concatenate([pool, pool[rng.integers(0, len(pool), 56)]]))
+  per_row = [jnp.asarray((rng.random((256, *d.shape)) * 20 - 10).astype(d.dtype)) for d in table.default]
+  for defaults in (per_row, list(table.default), []):
+    kernel, reference = _lean_reads(table, words, defaults, False), _lean_reads(table, words, defaults, True)
+    _assert_same(kernel, reference)
+  hit = np.asarray(reference[0][0])
+  assert 0 < hit.sum() < 256  # hits and misses
+  assert int(table.size) == 64
+  if bucket_size == 4:  # 64 entries in 68 slots
+    assert int(jnp.sum(table.overflow)) > 0  # keys probed past both their buckets
+  elif bucket_size != 8:  # absent keys whose digests match slots of their buckets (40 / 255 a key)
+    layout = table.layout
+    first, second, digest = layout.buckets_of(words)
+    both = layout.digest_words(table.digests, jnp.stack([first, second], axis=1))
+    matches = jax.lax.population_count(layout.matching(both, digest[:, None]))
+    assert np.asarray(jnp.sum(matches, axis=(1, 2)))[~hit].sum() > 0
+
+
+@pytest.mark.skipif(not native.ENABLED, reason="kernels off")
+def test_lean_reads_call_their_kernels():
+  """On CPU a lean table's find and contains run the lookup kernel, and ``_locate`` the locate kernel."""
+  table = LeanTable.create(64, key=jnp.int32, value=jnp.float32)
+  text = jax.jit(lambda t, k: (t.find(k), t.contains(k))).lower(table, jnp.arange(4)).as_text()
+  assert "jaxres_lean_lookup" in text
+  words = jnp.zeros((4, 1), jnp.uint32)
+  assert "jaxres_lean_locate" in jax.jit(lambda t, w: t._locate(w)).lower(table, words).as_text()
 
 
 @pytest.mark.skipif(not native.ENABLED, reason="kernels off")

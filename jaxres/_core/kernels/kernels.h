@@ -196,6 +196,41 @@ inline void PrefetchRow(const char* row, int64_t bytes) {
   __builtin_prefetch(row + bytes - 1);
 }
 
+// A value leaf of a lookup: rows are read from `from` (a hit) or `fallback` (a miss: its
+// row i at i * fallback_step, one row for all where the step is 0) into `to`.
+struct Column {
+  const char *from, *fallback;
+  char* to;
+  int64_t bytes, fallback_step;
+};
+
+// Row i's value of one column, copied branch free (the source address is a select): kBytes is
+// the row's width where known at compile time, else 0.
+template <int64_t kBytes>
+inline void CopyValue(const Column& c, int64_t i, bool hit, int32_t row) {
+  const int64_t bytes = kBytes > 0 ? kBytes : c.bytes;
+  const char* source = hit ? c.from + row * bytes : c.fallback + i * c.fallback_step;
+  std::memcpy(c.to + i * bytes, source, bytes);
+}
+
+// The columns of a lookup kernel: `leaves` are the value leaves [rows, ...] then as many default
+// leaves ([n, ...] or one row for all), `outputs` the values [n, ...]. False where they do not pair up.
+inline bool LookupColumns(ffi::RemainingArgs leaves, ffi::RemainingRets outputs, int64_t n,
+                          std::vector<Column>& columns) {
+  const int64_t num_leaves = outputs.size();
+  if (leaves.size() != static_cast<size_t>(2 * num_leaves)) return false;
+  for (int64_t l = 0; l < num_leaves; ++l) {
+    auto values = leaves.get<ffi::AnyBuffer>(l), defaults = leaves.get<ffi::AnyBuffer>(num_leaves + l);
+    auto out = outputs.get<ffi::AnyBuffer>(l);
+    if (!values || !defaults || !out) return false;
+    const int64_t bytes = RowBytes(*values);
+    columns.push_back({static_cast<const char*>(values->untyped_data()),
+                       static_cast<const char*>(defaults->untyped_data()), static_cast<char*>((*out)->untyped_data()),
+                       bytes, defaults->size_bytes() == static_cast<size_t>(n * bytes) ? bytes : 0});
+  }
+  return true;
+}
+
 constexpr int64_t kGrain = 8192;  // rows below which a thread of its own does not pay (measured)
 
 }  // namespace

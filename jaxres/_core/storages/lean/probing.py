@@ -4,7 +4,8 @@
 :func:`locate` reads both buckets' digest words at once (one gather), reads
 the keys of the first :data:`FIRST_CANDIDATES` slots whose digest matches, and
 leaves the rare rest (more matches, or a first bucket with overflow) to a loop
-over a chunk of rows at a time. It is XLA on every backend.
+over a chunk of rows at a time. It is the reference of the CPU kernel ``jaxres_lean_locate``
+(``kernels.cc``, through ``LeanTable._locate``) and the path of every other backend.
 """
 
 from __future__ import annotations

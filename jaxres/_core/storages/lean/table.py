@@ -16,12 +16,14 @@ the table has about 2 % more slots than its capacity.
 * **No tombstones.** A bucket's overflow count is the number of live entries
   that probed past it; removing one lowers the counts it raised.
 
-It runs on the XLA path on every backend.
+Its reads (locate, lookup) run a kernel on CPU (``kernels.cc``), the XLA path elsewhere; its writes
+run the XLA path on every backend.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -31,7 +33,7 @@ import numpy as np
 from jaxres._core import call_args, ordering
 from jaxres._core.encoding import key_specs
 from jaxres._core.encoding.value_specs import ValueSpec
-from jaxres._core.kernels import claims
+from jaxres._core.kernels import claims, native
 from jaxres._core.kernels.row_ops import read_rows, select_rows, take_rows
 from jaxres._core.modes import Upsert
 from jaxres._core.policies import Policy, check_policy
@@ -203,8 +205,37 @@ class LeanTable(KeptSlots):
     return self.digests, self.keys, self.overflow
 
   def _locate(self, words):
-    """``(hit, slot)`` of each key row: its slot, or for a miss the first slot of its first bucket."""
-    return probing.locate(self.layout, *self._arrays(), words)
+    """``(hit, slot)`` of each key row: its slot, or for a miss the first slot of its first bucket
+    (on CPU the kernel ``jaxres_lean_locate``)."""
+    n = words.shape[0]
+    results = (jax.ShapeDtypeStruct((n,), jnp.bool_), jax.ShapeDtypeStruct((n,), jnp.int32))
+    reference = functools.partial(probing.locate, self.layout)
+    return native.on_cpu(
+      "jaxres_lean_locate", reference, results, *self._arrays(), words, bucket_size=self.bucket_size
+    )
+
+  def _lookup_rows(self, words, defaults):
+    """``(values, found)``: on CPU one kernel (``jaxres_lean_lookup``) searches and gathers,
+    prefetching both.
+
+    ``defaults``: leaves ``[n, *shape]`` or ``[*shape]``, or none for ``found`` alone.
+    """
+    n = words.shape[0]
+    values = self.values if defaults else ()
+    results = (
+      jax.ShapeDtypeStruct((n,), jnp.bool_),
+      *(jax.ShapeDtypeStruct((n, *v.shape[1:]), v.dtype) for v in values),
+    )
+
+    def reference(digests, keys, overflow, words, *leaves):
+      values, found = KeptSlots._lookup_rows(self, words, leaves[len(leaves) // 2 :])
+      return found, *values
+
+    found, *out = native.on_cpu(
+      "jaxres_lean_lookup", reference, results, *self._arrays(), words, *values, *defaults,
+      bucket_size=self.bucket_size,
+    )  # fmt: skip
+    return out, found
 
   def _slots(self):
     live = self.layout.digest_at(self.digests, jnp.arange(self.num_slots, dtype=jnp.int32)) != 0

@@ -242,23 +242,6 @@ ffi::Error Locate(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records, ffi::Buff
   });
 }
 
-// A value leaf of a lookup: rows are read from `from` (a hit) or `fallback` (a miss: its
-// row i at i * fallback_step, one row for all where the step is 0) into `to`.
-struct Column {
-  const char *from, *fallback;
-  char* to;
-  int64_t bytes, fallback_step;
-};
-
-// Row i's value of one column, copied branch free (the source address is a select): kBytes is
-// the row's width where known at compile time, else 0.
-template <int64_t kBytes>
-inline void CopyValue(const Column& c, int64_t i, bool hit, int32_t row) {
-  const int64_t bytes = kBytes > 0 ? kBytes : c.bytes;
-  const char* source = hit ? c.from + row * bytes : c.fallback + i * c.fallback_step;
-  std::memcpy(c.to + i * bytes, source, bytes);
-}
-
 // OpenAddressingTable._lookup_rows over rows [begin, end): one pass, where a row's record is
 // fetched kAhead rows ahead of its probe and its value rows kLag rows ahead of their copy, so
 // both kinds of reads overlap. kBytes (4 or 8) > 0: a single column of rows that wide.
@@ -294,19 +277,10 @@ void LookupRows(const Table& t, const uint32_t* w, int64_t begin, int64_t end, c
 ffi::Error Lookup(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records, ffi::Buffer<ffi::U32> words,
                   ffi::RemainingArgs leaves, ffi::ResultBuffer<ffi::PRED> found, ffi::RemainingRets outputs,
                   int64_t bucket_size) {
-  const int64_t n = words.dimensions()[0], num_leaves = outputs.size();
-  if (leaves.size() != static_cast<size_t>(2 * num_leaves)) {
-    return ffi::Error::InvalidArgument("jaxres_lookup: expected a default leaf per value leaf");
-  }
+  const int64_t n = words.dimensions()[0];
   std::vector<Column> columns;
-  for (int64_t l = 0; l < num_leaves; ++l) {
-    auto values = leaves.get<ffi::AnyBuffer>(l), defaults = leaves.get<ffi::AnyBuffer>(num_leaves + l);
-    auto out = outputs.get<ffi::AnyBuffer>(l);
-    if (!values || !defaults || !out) return ffi::Error::InvalidArgument("jaxres_lookup: bad leaf");
-    const int64_t bytes = RowBytes(*values);
-    columns.push_back({static_cast<const char*>(values->untyped_data()),
-                       static_cast<const char*>(defaults->untyped_data()), static_cast<char*>((*out)->untyped_data()),
-                       bytes, defaults->size_bytes() == static_cast<size_t>(n * bytes) ? bytes : 0});
+  if (!LookupColumns(leaves, outputs, n, columns)) {
+    return ffi::Error::InvalidArgument("jaxres_lookup: expected a default leaf per value leaf");
   }
   const int64_t single = columns.size() == 1 ? columns[0].bytes : 0;
   bool* hit = found->typed_data();
