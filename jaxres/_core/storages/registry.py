@@ -37,7 +37,7 @@ __all__ = [
   "storage",
 ]
 
-# "lean": the slot is the row (issue 66), on the XLA path (no CPU kernels yet): not the default.
+# "lean": the slot is the row (issue 66); reads in CPU kernels, writes on the XLA path; not the default.
 STORAGES: dict[str, type[Storage]] = {
   "open_addressing": OpenAddressingTable,
   "sorted": SortedTable,
