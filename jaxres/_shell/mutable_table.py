@@ -40,8 +40,8 @@ class MutableHashTable(LookupTable):
     default_value: value of missing keys; its shape is the per-entry value shape.
     initial_capacity: live entries before the first growth; with an eviction
       policy, the bound the table never grows past.
-    storage: a kind of ``jaxres._core.storages.registry.STORAGES``: ``"open_addressing"``
-      (default), ``"sorted"`` or ``"lean"``.
+    storage: ``"open_addressing"`` (default), ``"sorted"`` or ``"lean"`` (the slot is
+      the row: 17 bytes a slot beyond the row with eviction; not yet the default).
     device: optional ``jax.Device`` or sharding for the state.
     max_key_length: for ``str`` keys, the longest key in UTF-8 bytes.
     max_value_length: for ``str`` values, the longest value in UTF-8 bytes.
