@@ -10,6 +10,7 @@ addressing, sorted arrays) -> sharding (a table over a mesh).
 
 import ast
 import collections
+import functools
 import graphlib
 from pathlib import Path
 
@@ -54,6 +55,7 @@ CONFINED = {
 }
 
 
+@functools.cache
 def modules() -> dict[str, Path]:
   out = {}
   for path in sorted(PACKAGE.rglob("*.py")):
@@ -80,6 +82,7 @@ def layer(module: str) -> str:
   return max((prefix for prefix in LAYERS if module == prefix or module.startswith(prefix + ".")), key=len)
 
 
+@functools.cache
 def graph() -> dict[str, set[str]]:
   known = set(modules())
   return {module: imports(path, known) for module, path in modules().items()}
