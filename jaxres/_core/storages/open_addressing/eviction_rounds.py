@@ -162,9 +162,25 @@ def auto_window(count: jax.Array, capacity: int) -> jax.Array:
     >>> [AUTO_WINDOWS[int(auto_window(jnp.int32(n), 1 << 20))] for n in (4096, 1 << 16, 1 << 19, 1 << 20)]
     [1, 2, 16, 32]
   """
+  return sum((count >= n).astype(jnp.int32) for n in _least_counts(capacity))
+
+
+def reachable_windows(rows: int, capacity: int) -> tuple[int, ...]:
+  """The leading windows of :data:`AUTO_WINDOWS` that :func:`auto_window` picks for at most ``rows``
+  keys: a call's program holds the choice for these alone (a batch far below the capacity: one).
+
+  Examples:
+    >>> from jaxres._core.storages.open_addressing.eviction_rounds import reachable_windows
+    >>> reachable_windows(4096, 1 << 20), reachable_windows(1 << 19, 1 << 20)
+    ((1,), (1, 2, 4, 8, 16))
+  """
+  return AUTO_WINDOWS[: 1 + sum(rows >= n for n in _least_counts(capacity))]
+
+
+def _least_counts(capacity: int) -> list[int]:
+  """The fewest keys that must evict for each window of :data:`AUTO_WINDOWS` past the first."""
   share = constants.AUTO_EVICTION_SHARE
-  least = [min(-(-width * capacity // share), np.iinfo(np.int32).max) for width in AUTO_WINDOWS[1:]]
-  return sum((count >= n).astype(jnp.int32) for n in least)
+  return [min(-(-width * capacity // share), np.iinfo(np.int32).max) for width in AUTO_WINDOWS[1:]]
 
 
 def windows(layout: Layout, words: jax.Array, window: int) -> jax.Array:
@@ -241,12 +257,15 @@ def _evict_reference(
   taken = None if named is None else jnp.sort(named)
   # Per-call windows: each round switches on the window for the choice alone, which reads the table
   # and writes none of it, so that no branch holds a copy of the records.
-  per_call = None if window is not None else auto_window(jnp.sum(pending, dtype=jnp.int32), capacity)
+  # A call of n rows holds the branches its count of pending keys can reach (a batch far below the
+  # capacity: window 1 alone, no switch).
+  reachable = (window,) if window is not None else reachable_windows(n, capacity)
+  per_call = None if len(reachable) == 1 else auto_window(jnp.sum(pending, dtype=jnp.int32), capacity)
 
   def choose(flat, scores, floors, row_words, home):
     if per_call is None:
-      return _choose(layout, flat, scores, floors, row_words, home, taken, window)
-    branches = [functools.partial(_choose, layout, taken=taken, window=w) for w in AUTO_WINDOWS]
+      return _choose(layout, flat, scores, floors, row_words, home, taken, reachable[0])
+    branches = [functools.partial(_choose, layout, taken=taken, window=w) for w in reachable]
     return lax.switch(per_call, branches, flat, scores, floors, row_words, home)
 
   def round_(state, rows, target):
