@@ -64,19 +64,21 @@ def median_us(call, calls: int, after=None, wait: bool = True) -> float:
   return statistics.median(times) * 1e6
 
 
-def _filled(capacity: int, live: np.ndarray, **options):
+def _filled(capacity: int, live: np.ndarray, storage: str = "open_addressing", **options):
   import jaxres as jr
+  from jaxres._core.storages import registry
 
   value = jax.ShapeDtypeStruct((WIDTH,), jnp.float32)
-  table = jr.OpenAddressingTable.create(capacity, key=jnp.int64, value=value, **options)
+  table = registry.storage(storage).create(capacity, key=jnp.int64, value=value, **options)
   for i in range(0, len(live), 1 << 16):
     part = live[i : i + (1 << 16)]
     table = table.insert(jr.keys.split64(part), np.ones((len(part), WIDTH), np.float32), donate=True)
   return table
 
 
-def table_calls(capacity: int, calls: int = CALLS) -> dict:
-  """``{method: us}`` for the table methods at ``capacity``, on the path being traced."""
+def table_calls(capacity: int, calls: int = CALLS, storage: str = "open_addressing") -> dict:
+  """``{method: us}`` for the table methods at ``capacity``, on the path being traced, of a table of the
+  storage kind registered as ``storage``."""
   import jaxres as jr
 
   rng = np.random.default_rng(capacity)
@@ -89,7 +91,7 @@ def table_calls(capacity: int, calls: int = CALLS) -> dict:
     "find_or_insert": (lambda t, k: t.find_or_insert(k, values), True),
   }
   remove = jax.jit(lambda t, k: t.remove(k), donate_argnums=0)
-  holder = [_filled(capacity, live)]
+  holder = [_filled(capacity, live, storage)]
   for name, (step, inserts) in steps.items():
     fn = jax.jit(step, donate_argnums=0)
     fresh = rng.integers(-(2**62), 2**62, (calls + 2, BATCH // 2))
@@ -108,7 +110,7 @@ def table_calls(capacity: int, calls: int = CALLS) -> dict:
   holder.clear()  # the half-full table's memory back before the full one's
   # filled, unless a batch fills it (a check of the harness): the first, untimed call then does
   filling = rng.integers(-(2**62), 2**62, capacity if capacity > BATCH else 0)
-  full = [_filled(capacity, filling, eviction=jr.LRU())]
+  full = [_filled(capacity, filling, storage, eviction=jr.LRU())]
   evicting = jax.jit(lambda t, k: t.find_or_insert(k, values), donate_argnums=0)
   new = [jr.keys.split64(rng.integers(-(2**62), 2**62, BATCH)) for _ in range(calls + 2)]
 

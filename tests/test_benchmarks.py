@@ -1,5 +1,6 @@
 """The benchmark harness runs (without TensorFlow, on tiny sizes), so it cannot rot."""
 
+import json
 import os
 import subprocess
 import sys
@@ -159,3 +160,29 @@ def test_benchmark_runs_on_tiny_sizes(module, args, rows):
   assert result.returncode == 0, result.stdout + result.stderr
   for row in rows:
     assert row in result.stdout, result.stdout
+
+
+def test_the_layouts_benchmark_runs_on_tiny_sizes(tmp_path):
+  """``benchmarks.layouts`` in this process (its programs are the suite's): each (path, storage) measured
+  through the entry point of its child processes, then the report."""
+  from benchmarks import layouts
+
+  runs = {}
+  for path in layouts.PATHS:
+    for storage in layouts.STORAGES:
+      out = tmp_path / f"{path}-{storage}.json"
+      layouts.main(["--measure", path, storage, "0.01", str(out)])
+      runs[path, storage] = [json.loads(out.read_text())]
+  for run in runs.values():
+    assert all(us > 0 for us in run[0]["times"].values()), run
+  index = {s: runs["kernels", s][0]["index bytes a slot"]["1024"] for s in layouts.STORAGES}
+  assert index["lean"] < index["open_addressing"], index
+  text = layouts.report(runs)
+  for row in (
+    "| open_addressing | ",
+    "| find | kernels | lean | ",
+    "| evicting find_or_insert | xla | lean / open addressing | ",
+    "| insert, xla: lean no slower at any capacity | ",
+    "| find, kernels: lean slowest / fastest <= 1.2 | ",
+  ):
+    assert row in text, text
