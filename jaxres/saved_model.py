@@ -31,6 +31,7 @@ from pathlib import Path
 import jax
 
 from jaxres._core.storages.sorted import read_only
+from jaxres._persistence import files
 from jaxres._serving import buckets, directory, program, served_state, updates
 from jaxres._serving.loaded import LoadedModel, LoadedSignature
 from jaxres._serving.signature import Input, Signature
@@ -252,15 +253,13 @@ def load(path, *, batch_sizes=None, precompile: bool = True) -> LoadedModel:
     TypeError: ``path`` is not a path; ``batch_sizes`` is not a sequence of
       ints or ``None``; ``precompile`` is not a bool.
     ValueError: a batch size out of ``[1, 2**20]`` or repeated; naming
-      ``path``: missing, not a jaxres saved model, a newer format version,
+      ``path``: missing, a file, not a jaxres saved model, a newer format version,
       damaged, or lowered for none of this process's platforms.
   """
-  if not isinstance(path, (str, os.PathLike)):
-    raise TypeError(f"path: expected a directory path, got {type(path).__name__}.")
+  path = Path(files.directory_path(path))
   batch_sizes = buckets.check(batch_sizes)
   if not isinstance(precompile, bool):
     raise TypeError(f"precompile: expected a bool, got {precompile!r}.")
-  path = Path(path)
   manifest, blobs, stored = directory.read(path)
   platform = jax.default_backend()
   platforms = tuple(manifest.get("platforms", ()))

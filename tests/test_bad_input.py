@@ -8,6 +8,7 @@ very large batches) must work, with results checked against NumPy or a dict.
 
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -848,3 +849,29 @@ def test_a_stateful_table_grows_through_a_large_batch_and_stores_nan():
   order = np.argsort(keys)
   np.testing.assert_array_equal(exported_keys, keys[order])
   np.testing.assert_array_equal(exported_values, values[order])
+
+
+_DIRECTORY_ENTRY_POINTS = {
+  "Checkpoint.save": lambda root, path: jr.Checkpoint(model=root).save(path),
+  "Checkpoint.restore": lambda root, path: jr.Checkpoint(model=root).restore(path),
+  "CheckpointManager": lambda root, path: jr.CheckpointManager(path, jr.Checkpoint(model=root)),
+  "saved_model.save": lambda root, path: jr.saved_model.save(root, path, {}),
+  "saved_model.load": lambda root, path: jr.saved_model.load(path),
+  "saved_model.save_delta": lambda root, path: jr.saved_model.save_delta(root, path, path, step=1),
+}
+
+
+@pytest.mark.parametrize("below", [False, True], ids=["the path", "a folder above it"])
+@pytest.mark.parametrize("entry", _DIRECTORY_ENTRY_POINTS)
+def test_a_file_where_a_directory_belongs_is_refused_and_kept(entry, below, tmp_path):
+  """A checkpoint or export location that is (or lies under) a file: a ValueError naming the argument
+  and the file, before anything is written; the file is left as it was (Checkpoint.save replaced it
+  with a checkpoint before)."""
+  file = tmp_path / "notes.txt"
+  file.write_text("keep me")
+  root = jr.AutoTrackable()
+  root.table = jr.MutableHashTable(jnp.int32, jnp.float32, default_value=0.0)
+  name = "directory" if entry == "CheckpointManager" else "path"
+  with pytest.raises(ValueError, match=f"^{name}: {re.escape(str(file))} is a file"):
+    _DIRECTORY_ENTRY_POINTS[entry](root, file / "step" if below else file)
+  assert file.read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

@@ -64,6 +64,35 @@ def _checksum(manifest: dict) -> int:
   return zlib.crc32(json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode())
 
 
+def directory_path(path: Any, name: str = "path") -> str:
+  """``path`` (a str or os.PathLike) made absolute, where a directory is or may be made: neither it nor
+  a folder above it is a file (a checkpoint or saved model written there would replace the file, or
+  fail halfway with a bare ``OSError``).
+
+  Raises:
+    TypeError: ``path`` is not a str or os.PathLike (the error names ``name``).
+    ValueError: ``path``, or a folder above it, is a file (naming ``name`` and that file).
+
+  Examples:
+    >>> import tempfile, os
+    >>> file = tempfile.NamedTemporaryFile()
+    >>> directory_path(os.path.join(file.name, "step"), "directory")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: directory: ... is a file; expected a directory (or a new path) there.
+  """
+  try:
+    absolute = os.path.abspath(os.fspath(path))
+  except TypeError:
+    raise TypeError(f"{name}: expected a str or os.PathLike, got {path!r}.") from None
+  for at in (absolute, *Path(absolute).parents):
+    if os.path.lexists(at):
+      if not os.path.isdir(at):
+        raise ValueError(f"{name}: {at} is a file; expected a directory (or a new path) there.")
+      break
+  return absolute
+
+
 def confined(root: Path, name: Any, what: str) -> Path:
   """``root / name`` for a ``name`` read from a manifest, once it is known to stay inside ``root``.
 

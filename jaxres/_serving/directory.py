@@ -23,7 +23,6 @@ earlier directory is recovered by the next save or load there.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import zlib
 from pathlib import Path
@@ -144,13 +143,9 @@ def check_target(path, what: str = "saved model", holds=None) -> Path:
 
   Raises:
     TypeError: ``path`` is not a string or path.
-    ValueError: it names a file, or a directory holding something else.
+    ValueError: it, or a folder above it, is a file; or it is a directory holding something else.
   """
-  if not isinstance(path, (str, os.PathLike)):
-    raise TypeError(f"path: expected a directory path, got {type(path).__name__}.")
-  path = Path(path)
-  if path.exists() and not path.is_dir():
-    raise ValueError(f"path: {path} is a file; expected a directory to write the {what} to.")
+  path = Path(files.directory_path(path))
   if path.is_dir() and any(path.iterdir()) and not (holds or _is_saved_model)(path):
     raise ValueError(f"path: {path} holds files that are not a {what}; choose an empty or new directory.")
   return path

@@ -23,7 +23,7 @@ import shutil
 import time
 from typing import Any
 
-from jaxres._persistence import processes, replacing
+from jaxres._persistence import files, processes, replacing
 from jaxres._shell.trackable import AutoTrackable
 from jaxres._tracking import manifest, orbax_io, restoring, saving
 from jaxres._tracking.status import LoadStatus
@@ -101,11 +101,12 @@ class Checkpoint(AutoTrackable):
     with the same graph: each writes the shards of its own devices.
 
     Raises:
+      ValueError: ``path``, or a folder above it, is a file (nothing is written).
       OSError: the checkpoint could not be written (a full disk, say); a
         checkpoint already at ``path`` is then left as it was.
     """
+    path = files.directory_path(path)
     contents, arrays = collect(self._root)
-    path = orbax_io.absolute_path(path)
     staging = _staging(path)
     try:
       try:
@@ -129,14 +130,14 @@ class Checkpoint(AutoTrackable):
     objects) alike: each reads an even share of a sharded table's shards.
 
     Raises:
-      ValueError: ``path`` is not a readable checkpoint, or an array differs in
+      ValueError: ``path`` is not a readable checkpoint (a file, say), or an array differs in
         shape or dtype from its object (nothing is restored then).
       TypeError: an object is of another kind than the checkpoint holds at
         its path (nothing is restored then).
       Exception: whatever an object's ``_restore_from_arrays`` raises, with
         its path (nothing is restored then).
     """
-    directory = orbax_io.absolute_path(path)
+    directory = files.directory_path(path)
     if processes.is_primary():
       replacing.recover(directory)
     processes.barrier("jaxres: checkpoint recovered")

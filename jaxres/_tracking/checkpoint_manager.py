@@ -9,10 +9,10 @@ import threading
 import weakref
 
 from jaxres._errors import check_int
-from jaxres._persistence import processes
+from jaxres._persistence import files, processes
 from jaxres._tracking import increments, manifest, orbax_io, ownership, restoring, saving
 from jaxres._tracking.checkpoint import Checkpoint
-from jaxres._tracking.orbax_io import StepStore, absolute_path
+from jaxres._tracking.orbax_io import StepStore
 from jaxres._tracking.status import LoadStatus
 
 
@@ -55,6 +55,11 @@ class CheckpointManager:
       every :attr:`FULL_EVERY`-th), so that a chain stays short: a restore
       reads at most ``full_every`` steps, and ``max_to_keep`` can delete the
       chains no kept step needs.
+
+  Raises:
+    TypeError: an argument of the wrong type.
+    ValueError: ``directory``, or a folder above it, is a file; or an option
+      out of range.
 
   Examples:
     >>> import tempfile, jax.numpy as jnp, jaxres as jr
@@ -114,7 +119,7 @@ class CheckpointManager:
           "full_every: only incremental saves (incremental=True) have saves that are not full."
         )
       full_every = check_int(full_every, "full_every", low=1)
-    self.directory = absolute_path(directory, "directory")
+    self.directory = files.directory_path(directory, "directory")
     self.checkpoint = checkpoint
     self._incremental = incremental
     self._max_to_keep = max_to_keep

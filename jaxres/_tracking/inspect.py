@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from jaxres._persistence import files
 from jaxres._tracking import manifest, orbax_io
 
 
@@ -33,7 +34,7 @@ def inspect_checkpoint(path) -> list[dict]:
     >>> jr.inspect_checkpoint(path)[2]["arrays"]
     [{'name': 'value', 'shape': [], 'dtype': 'int32'}]
   """
-  directory = orbax_io.absolute_path(path)
+  directory = files.directory_path(path)
   contents = manifest.check(orbax_io.read_manifest(directory), directory, incremental=True)
   specs = contents["arrays"]
   entries = []

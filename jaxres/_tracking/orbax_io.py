@@ -33,14 +33,6 @@ LEGACY_MANIFEST = "manifest.json"  # where checkpoints written before kept it
 TEMPORARY_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's temporary directory of a save: <directory> + this
 
 
-def absolute_path(path, name: str = "path") -> str:
-  """A user's checkpoint location (str or os.PathLike) as an absolute path."""
-  try:
-    return os.path.abspath(os.fspath(path))
-  except TypeError:
-    raise TypeError(f"{name}: expected a str or os.PathLike, got {path!r}.") from None
-
-
 def specs(arrays: dict[str, np.ndarray | jax.Array]) -> dict[str, dict]:
   """The JSON description of each array entry, with a checksum of its bytes.
 
