@@ -15,8 +15,10 @@ Tests marked ``slow`` start first, and XLA compiles with fewer optimisations
 
 from __future__ import annotations
 
+import atexit
 import collections
 import os
+import shutil
 import tempfile
 
 # Most of the suite's time is XLA compiling small programs. The tests check
@@ -34,6 +36,15 @@ os.environ.setdefault(
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+# What the suite writes to the temporary directory outside pytest's tmp_path (the examples of the
+# docstrings, pages and notebooks call tempfile.mkdtemp(), as users do; tests that make folders of
+# their own; the processes they start) goes to one folder of this process, removed when it exits.
+# pytest's own tmp_path folders stay where they were (the last three runs' kept for debugging).
+os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+_SCRATCH = tempfile.mkdtemp(prefix="jaxres-suite-")
+os.environ["TMPDIR"] = tempfile.tempdir = _SCRATCH
+atexit.register(shutil.rmtree, _SCRATCH, ignore_errors=True)
 
 import jax  # noqa: E402
 import jax.monitoring  # noqa: E402

@@ -9,6 +9,8 @@ compares what the two would save, array by array (entries, slots, scores, counte
 """
 
 import os
+import shutil
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -168,11 +170,10 @@ class IncrementalMachine(RuleBasedStateMachine):
 
   def teardown(self):
     self.manager.close()
+    shutil.rmtree(self.directory)
 
 
 def _tmp():
-  import tempfile
-
   return tempfile.mkdtemp(prefix="jaxres-incremental-")
 
 
