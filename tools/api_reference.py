@@ -14,8 +14,8 @@ mkdocstrings reads the code with Griffe, which knows each object by where it is 
   base class (a protocol the user never names) from a class's bases.
 
 What the reference documents is what the package exports: ``jaxres.__all__``, the ``__all__`` of
-each exported module, and the public members with docstrings of each exported class (as
-mkdocstrings renders them with ``filters: ["!^_"]``).
+each exported module, and the public members with docstrings of each exported class, ``__call__``
+included (as mkdocstrings renders them with ``filters: ["!^_(?!_call__$)"]``).
 """
 
 from __future__ import annotations
