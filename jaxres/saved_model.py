@@ -254,7 +254,9 @@ def load(path, *, batch_sizes=None, precompile: bool = True) -> LoadedModel:
       ints or ``None``; ``precompile`` is not a bool.
     ValueError: a batch size out of ``[1, 2**20]`` or repeated; naming
       ``path``: missing, a file, not a jaxres saved model, a newer format version,
-      damaged, or lowered for none of this process's platforms.
+      damaged, or lowered for none of this process's platforms; a 64-bit
+      integer input exported with ``jax_enable_x64`` on, in a process where it
+      is off (an export made with it off serves in either setting).
   """
   path = Path(files.directory_path(path))
   batch_sizes = buckets.check(batch_sizes)
@@ -265,10 +267,10 @@ def load(path, *, batch_sizes=None, precompile: bool = True) -> LoadedModel:
   platforms = tuple(manifest.get("platforms", ()))
   if platform not in platforms and not (platform == "gpu" and {"cuda", "rocm"} & set(platforms)):
     raise ValueError(f"{path}: lowered for {platforms}, not for this process's platform {platform!r}.")
-  signatures, takes = {}, {}  # takes: what the programs take of each state array
+  signatures, takes, servable = {}, {}, {}  # takes: what the programs take of each state array
   try:
     for entry, blob in zip(manifest["signatures"], blobs, strict=True):
-      inputs = tuple(Input.from_json(i) for i in entry["inputs"])
+      inputs = servable[entry["name"]] = tuple(Input.from_json(i) for i in entry["inputs"])
       exported = jax.export.deserialize(bytearray(blob))
       places = entry["state"]
       for k, aval in zip(places, exported.in_avals[: len(places)], strict=True):
@@ -279,6 +281,9 @@ def load(path, *, batch_sizes=None, precompile: bool = True) -> LoadedModel:
       )
   except (KeyError, TypeError, ValueError, IndexError) as err:
     raise ValueError(f"{path}: corrupted saved model ({err}).") from None
+  for name, inputs in servable.items():
+    for each in inputs:
+      each.check_servable(name)
   state = directory.padded(path, manifest, stored, takes)
   return LoadedModel(path, signatures, platforms, state, manifest.get("updates"), precompile)
 

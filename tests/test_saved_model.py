@@ -327,3 +327,45 @@ def test_the_loaded_signature_checks_its_inputs(exported):
     sig(ids=np.zeros((1, 3), np.int64))
   assert sig(ids=np.zeros((0, 2), np.int64))["score"].shape == (0,)
   assert repr(sig).startswith("LoadedSignature('serving_default'")
+
+
+_SERVE_WITH_X64 = """
+import sys, numpy as np, jax, jaxres as jr
+assert jax.config.jax_enable_x64
+ids = np.array([5, 2**40, 7, -(2**62)], np.int64)
+served = jr.saved_model.load(sys.argv[1]).signatures["score"](ids=ids)["output"]
+root = jr.AutoTrackable()
+root.table = jr.MutableHashTable(np.int64, np.float32, default_value=-1.0)
+root.table.insert(ids[:2], np.array([1.5, 2.5], np.float32))
+spec = jax.ShapeDtypeStruct(("n",), np.int64)
+signature = jr.saved_model.Signature(lambda r, ids: r.table.find(ids), ids=spec)
+jr.saved_model.save(root, sys.argv[2], {"score": signature})
+print(np.asarray(served).tolist())
+"""
+
+
+def test_an_export_made_with_x64_off_serves_with_it_on_and_the_reverse_is_refused_by_name(tmp_path):
+  """int64 inputs are traced as word pairs with jax_enable_x64 off: the export records it, so a process
+  with it on serves the export as it was traced (the pairs split on the host); an export traced with
+  int64 arrays cannot be served where JAX holds none: load names the signature, the input and the
+  setting, before the first request."""
+  ids = np.array([5, 2**40, 7, -(2**62)], np.int64)
+  root = jr.AutoTrackable()
+  root.table = jr.MutableHashTable(np.int64, np.float32, default_value=-1.0)
+  root.table.insert(ids[:2], np.array([1.5, 2.5], np.float32))
+  spec = jax.ShapeDtypeStruct(("n",), np.int64)
+  signature = jr.saved_model.Signature(lambda r, ids: r.table.find(ids), ids=spec)
+  jr.saved_model.save(root, tmp_path / "off", {"score": signature})
+  expected = root.table.find(ids)
+  env = {**os.environ, "JAX_ENABLE_X64": "1", "JAX_PLATFORMS": "cpu"}
+  done = subprocess.run(
+    [sys.executable, "-c", _SERVE_WITH_X64, str(tmp_path / "off"), str(tmp_path / "on")],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=HANG_GUARD_S,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert json.loads(done.stdout.strip().splitlines()[-1]) == np.asarray(expected).tolist()
+  with pytest.raises(ValueError, match="signature 'score', input 'ids': exported with jax_enable_x64 on"):
+    jr.saved_model.load(tmp_path / "on")

@@ -31,15 +31,34 @@ class Input:
   name: str
   dims: tuple  # ints and dimension names
   dtype: np.dtype  # np.dtype(str) for strings
+  # A 64-bit integer input of an export: traced as word pairs (jax_enable_x64 off when it was saved) or
+  # not; None: as this process traces it (a signature being saved, or an export from before the field).
+  words: bool | None = None
 
   @property
   def is_string(self) -> bool:
     return self.dtype.kind == "U"
 
   @property
+  def is_64_bit_integer(self) -> bool:
+    return self.dtype.kind in "iu" and self.dtype.itemsize == 8
+
+  @property
   def is_wide(self) -> bool:
-    """A 64-bit integer input, traced as word pairs when x64 is off."""
-    return self.dtype.kind in "iu" and self.dtype.itemsize == 8 and not key_specs.x64_enabled()
+    """A 64-bit integer input traced as word pairs: when x64 was off at export (or is off here)."""
+    return self.is_64_bit_integer and (not key_specs.x64_enabled() if self.words is None else self.words)
+
+  def check_servable(self, signature: str) -> None:
+    """Raises ``ValueError`` naming the input if this process cannot give it in its traced form: a
+    64-bit integer exported with ``jax_enable_x64`` on, in a process where it is off (JAX holds no
+    int64 array then). The reverse serves: the values are split into word pairs as at export."""
+    if self.is_64_bit_integer and self.words is False and not key_specs.x64_enabled():
+      raise ValueError(
+        f"signature {signature!r}, input {self.name!r}: exported with jax_enable_x64 on, as {self.dtype} "
+        "arrays, which this process cannot make with jax_enable_x64 off; serve it with "
+        'jax.config.update("jax_enable_x64", True), or export it with jax_enable_x64 off (word pairs, '
+        "served in either setting)."
+      )
 
   def spec(self) -> jax.ShapeDtypeStruct:
     """As the caller gives it (``jax.ShapeDtypeStruct`` with named dimensions)."""
@@ -87,12 +106,14 @@ class Input:
         raise ValueError(f"{self.name}: expected shape {self.dims}, got {array.shape}.")
 
   def to_json(self) -> dict:
-    return {"name": self.name, "dims": list(self.dims), "dtype": "str" if self.is_string else self.dtype.name}
+    dtype = "str" if self.is_string else self.dtype.name
+    entry = {"name": self.name, "dims": list(self.dims), "dtype": dtype}
+    return entry | ({"words": self.is_wide} if self.is_64_bit_integer else {})
 
   @classmethod
   def from_json(cls, entry: dict) -> Input:
     dtype = np.dtype(str) if entry["dtype"] == "str" else np.dtype(entry["dtype"])
-    return cls(entry["name"], tuple(entry["dims"]), dtype)
+    return cls(entry["name"], tuple(entry["dims"]), dtype, entry.get("words"))
 
 
 def _describe(value) -> str:
