@@ -1,5 +1,6 @@
 """jr.MutableHashTable against a dict oracle, the seed's scenarios, threads and NNX."""
 
+import functools
 import gc
 
 import jax
@@ -370,3 +371,20 @@ def test_keys_lost_inside_jit_are_reported_by_their_own_error_type():
     model.table.insert(jnp.array([0], jnp.int32), jnp.array([0], jnp.int32))
   assert isinstance(caught.value, ValueError)  # the contract's error, of a type of its own
   assert len(model.table) == 4  # reported once, and the failed insert changed nothing
+
+
+def test_size_is_an_int_that_outlives_the_next_write():
+  """``size()`` gave the table's own counter array, which the next write donates: reading it after
+  ``insert`` raised "Array has been deleted". Eagerly an int; inside ``nnx.jit`` a traced scalar."""
+  table = jr.MutableHashTable(np.int64, np.float32, default_value=0.0)
+  table.insert(np.array([1, 2, 3]), np.ones(3, np.float32))
+  before = table.size()
+  table.insert(np.array([4, 2**40]), np.ones(2, np.float32))
+  assert type(before) is int and before == 3 and table.size() == 5
+
+  @functools.partial(nnx.jit, donate_argnums=0)
+  def grow(table, keys):
+    table.insert(keys, jnp.ones(keys.shape[:1], jnp.float32))
+    return table.size()
+
+  assert int(grow(table, jr.keys.split64(np.array([7, 8, 9])))) == 8 and table.size() == 8 and before == 3

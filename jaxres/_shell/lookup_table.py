@@ -251,8 +251,13 @@ class LookupTable(Resource):
     return self._current().memory()
 
   def size(self):
-    """The number of live entries (an int32 array)."""
-    return self._current().size
+    """The number of live entries: an ``int`` (inside ``jit``, a traced int32 scalar).
+
+    Not the table's own counter, which its next write donates: ``n = t.size()`` stays readable after
+    ``t.insert(...)``.
+    """
+    size = self._current().size
+    return size if isinstance(size, jax.core.Tracer) else int(size)
 
   def __len__(self) -> int:
     return int(self.size())
