@@ -369,3 +369,24 @@ def test_an_export_made_with_x64_off_serves_with_it_on_and_the_reverse_is_refuse
   assert json.loads(done.stdout.strip().splitlines()[-1]) == np.asarray(expected).tolist()
   with pytest.raises(ValueError, match="signature 'score', input 'ids': exported with jax_enable_x64 on"):
     jr.saved_model.load(tmp_path / "on")
+
+
+def test_numpy_64_bit_state_is_exported_as_its_programs_take_it(tmp_path):
+  """An object's NumPy float64/int64/uint64 arrays, x64 off: the programs take them as JAX converts
+  them (32 bits); the export wrote them as they were and could never be loaded ("state 0 is
+  float64[3]; its programs take float32[3]"). Served as the function computes them in this process."""
+  root = jr.AutoTrackable()
+  root.scale = np.array([0.1, 2.5, -3.0], np.float64)
+  root.offset = np.array([7, -2, 2**40], np.int64)
+  root.mask = np.array([1, 0, 1], np.uint64)
+
+  def fn(r, x):
+    return {"y": x * r.scale + r.offset, "m": jnp.add(r.mask, 1)}
+
+  spec = jax.ShapeDtypeStruct((3,), jnp.float32)
+  jr.saved_model.save(root, tmp_path / "export", {"f": jr.saved_model.Signature(fn, x=spec)})
+  x = np.array([1.0, 2.0, 3.0], np.float32)
+  served = jr.saved_model.load(tmp_path / "export").signatures["f"](x=x)
+  expected = fn(root, jnp.asarray(x))  # eagerly: JAX converts the arrays as it does in the program
+  for name in ("y", "m"):
+    same_bits(served[name], expected[name])

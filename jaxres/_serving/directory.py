@@ -229,5 +229,7 @@ def _array(file: Path, entry: Any) -> np.ndarray:
 
 
 def host(arrays) -> list[np.ndarray]:
-  """Device arrays as host NumPy arrays (gathered from every device they are split over)."""
-  return [np.asarray(jax.device_get(x)) for x in arrays]
+  """Arrays as host NumPy arrays (gathered from every device they are split over), in the dtype the
+  programs take them in: a NumPy ``float64``/``int64``/``uint64`` array of the object, with
+  ``jax_enable_x64`` off, as JAX converts it when the function runs (``float32``, ...)."""
+  return [np.asarray(jax.device_get(x), jax.dtypes.canonicalize_dtype(x.dtype)) for x in arrays]

@@ -47,7 +47,8 @@ def export(name: str, signature: Signature, state: tuple, platforms) -> Program:
   # Which state arrays the signature reads is found on a concrete batch: an export with symbolic
   # dimensions keeps every argument.
   concrete_specs = [i.traced(dict.fromkeys(dims, 2), signature.max_length) for i in inputs]
-  state_specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+  # As JAX takes the object's arrays when the function runs: a NumPy float64 array, x64 off, as float32.
+  state_specs = [jax.ShapeDtypeStruct(x.shape, jax.dtypes.canonicalize_dtype(x.dtype)) for x in leaves]
   outputs: list[str] = []
 
   def traced(taken: list[int]):
