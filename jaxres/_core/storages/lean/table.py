@@ -16,8 +16,9 @@ the table has about 2 % more slots than its capacity.
 * **No tombstones.** A bucket's overflow count is the number of live entries
   that probed past it; removing one lowers the counts it raised.
 
-Its reads (locate, lookup) run a kernel on CPU (``kernels.cc``), the XLA path elsewhere; its writes
-run the XLA path on every backend.
+On CPU its reads (locate, lookup) and the placement and eviction of its writes run kernels
+(``kernels.cc``), bit for bit the XLA path that other backends run; the rest of its writes (values,
+scores, stamps, removal) are scatters of the XLA path everywhere.
 """
 
 from __future__ import annotations
