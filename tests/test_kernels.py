@@ -28,6 +28,8 @@ import jaxres as jr
 from jaxres._core.kernels import claims, grouping, native, row_ops
 from jaxres._core.modes import Upsert
 from jaxres._core.storages.lean import LeanTable, probing
+from jaxres._core.storages.lean import eviction as lean_eviction
+from jaxres._core.storages.lean import placing as lean_placing
 from jaxres._core.storages.open_addressing import eviction_rounds, placing
 from jaxres._core.storages.storage import Storage
 
@@ -199,7 +201,7 @@ def _lean_reads(table, words, defaults, reference):
 
 
 # Bucket sizes of the lean layout: 16-slot digest blocks with and without a tail of 4 or 8 slots,
-# buckets below one block, and the default (64 for 64 entries); every value spec.
+# buckets below one block, and the default (17 buckets of 4 for 64 entries); every value spec.
 LEAN_CONFIGS = [
   ((i + j) % 3 + 1, bucket_size, value)
   for i, bucket_size in enumerate([4, 8, 20, None])
@@ -235,7 +237,7 @@ def test_lean_read_kernels_equal_their_references(num_words, bucket_size, value,
   assert int(table.size) == 64
   if bucket_size == 4:  # 64 entries in 68 slots
     assert int(jnp.sum(table.overflow)) > 0  # keys probed past both their buckets
-  elif bucket_size != 8:  # absent keys whose digests match slots of their buckets (40 / 255 a key)
+  elif bucket_size == 20:  # absent keys whose digests match slots of their buckets (40 / 255 a key)
     layout = table.layout
     first, second, digest = layout.buckets_of(words)
     both = layout.digest_words(table.digests, jnp.stack([first, second], axis=1))
@@ -251,6 +253,194 @@ def test_lean_reads_call_their_kernels():
   assert "jaxres_lean_lookup" in text
   words = jnp.zeros((4, 1), jnp.uint32)
   assert "jaxres_lean_locate" in jax.jit(lambda t, w: t._locate(w)).lower(table, words).as_text()
+
+
+def _both_ways(fn, *args):
+  """``fn(*args)`` traced with the kernels, then with the XLA references alone."""
+  with native.references():
+    reference = fn(*args)
+  return fn(*args), reference
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "capacity"))
+def _lean_upsert(layout, digests, keys, overflow, words, active, size, capacity):
+  return lean_placing.upsert_slots(layout, digests, keys, overflow, words, active, size, capacity)
+
+
+@functools.partial(jax.jit, static_argnames="mode")
+def _lean_write(table, words, leaves, active, mode, given_scores):
+  """A whole insert or find_or_insert: ``(table, values, evicted)``."""
+  return table._upsert_rows(words, leaves, active, mode, given_scores)
+
+
+@jax.jit
+def _lean_claim(table, words, active):
+  """find_or_insert_rows' claim: ``(table, rows, found, placed, evicted)``."""
+  return table._claim_rows(words, active)
+
+
+def _grown_lean_table(num_words, bucket_size, seed, eviction=None):
+  """A lean table of 64 entries after random inserts and removes (their keys from a pool of 200),
+  then filled with the pool's first keys; with its pool and a rng."""
+  rng = np.random.default_rng(seed)
+  table = LeanTable.create(
+    64, key=KEYS[num_words], value=jnp.float32, bucket_size=bucket_size, eviction=eviction
+  )
+  pool = rng.integers(0, 2**32, (200, num_words), dtype=np.uint32)
+  for round in range(4):
+    keys = pool[rng.integers(0, len(pool), 40)] if round < 3 else pool[:80]
+    table = _insert_rows(table, jnp.asarray(keys), [jnp.asarray(rng.random(len(keys)), jnp.float32)])
+    if round < 3:
+      table = _remove_words(table, jnp.asarray(pool[rng.integers(0, len(pool), 8)]))
+  return table, pool, rng
+
+
+# Bucket sizes of the lean layout (as LEAN_CONFIGS) with every key width.
+LEAN_WRITE_CONFIGS = [(i % 3 + 1, bucket_size) for i, bucket_size in enumerate([4, 8, 20, None, 4, 8])]
+
+
+@pytest.mark.skipif(not native.ENABLED, reason="kernels off")
+@pytest.mark.parametrize(("num_words", "bucket_size"), LEAN_WRITE_CONFIGS)
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 2**16), removed=st.integers(0, 40))
+def test_lean_upsert_kernel_equals_its_reference(num_words, bucket_size, seed, removed):
+  """Placement in a lean table (``placing.upsert_slots``), with ``removed`` entries removed from a full
+  one: a batch of present keys, new ones and repeats, some rows masked out, whole (more new keys
+  than room: the rest dropped) and as many rows as fit; 4-slot buckets probe past both of a key's."""
+  table, pool, rng = _grown_lean_table(num_words, bucket_size, seed)
+  table = _remove_words(table, jnp.asarray(pool[rng.permutation(len(pool))[:removed]]))
+  words = jnp.asarray(pool[rng.integers(0, len(pool), 96)])
+  mask = jnp.asarray(rng.random(96) < 0.9)
+  room = table.capacity - int(table.size)
+  for active in (mask, mask & (jnp.cumsum(mask) <= room)):
+    args = (table.layout, *table._arrays(), words, active, table.size, table.capacity)
+    kernel, reference = _both_ways(_lean_upsert, *args)
+    _assert_same(kernel, reference)
+  assert int(reference.dropped) == 0
+  full = _both_ways(_lean_upsert, table.layout, *table._arrays(), words, mask, table.size, table.capacity)[1]
+  assert int(full.dropped) > 0  # the whole batch overflowed
+  # The whole insert: slots, values (the last row of each key), size and dropped.
+  leaves = [jnp.asarray(rng.random(96), jnp.float32)]
+  for mode in (Upsert.INSERT, Upsert.FIND_OR_INSERT):
+    _assert_same(*_both_ways(_lean_write, table, words, leaves, mask, mode, None))
+  _assert_same(*_both_ways(_lean_claim, table, words, mask))
+
+
+@pytest.mark.skipif(not native.ENABLED, reason="kernels off")
+@pytest.mark.parametrize("bucket_size", [4, None])
+def test_lean_upsert_kernel_probes_on_as_its_reference(bucket_size):
+  """An empty table of 4,096 entries filled by one batch of 4,096 distinct keys and 200 repeats (4-slot
+  buckets: many keys find both their buckets full and probe on, raising overflow counts), then its
+  rows split over the thread pool (3 * 8192 + 7 rows, present and new keys)."""
+  rng = np.random.default_rng(3)
+  table = LeanTable.create(4096, key=jnp.int64, value=jnp.float32, bucket_size=bucket_size)
+  fresh = np.unique(rng.integers(0, 2**32, (4300, 2), dtype=np.uint32), axis=0)[:4096]
+  words = jnp.asarray(np.concatenate([fresh, fresh[rng.integers(0, 4096, 200)]])[rng.permutation(4296)])
+  args = (table.layout, *table._arrays(), words, jnp.ones(4296, bool), table.size, table.capacity)
+  kernel, reference = _both_ways(_lean_upsert, *args)
+  _assert_same(kernel, reference)
+  assert int(jnp.sum(reference.admitted)) == 4296
+  if bucket_size == 4:
+    assert int(jnp.sum(reference.overflow)) > 0
+  table = _insert_words(table, words)
+  n = 3 * 8192 + 7
+  many = jnp.asarray(np.concatenate([fresh, rng.integers(0, 2**32, (n - 4096, 2), dtype=np.uint32)]))
+  args = (table.layout, *table._arrays(), many, jnp.ones(n, bool), table.size, table.capacity)
+  kernel, reference = _both_ways(_lean_upsert, *args)
+  _assert_same(kernel, reference)
+  assert int(jnp.sum(reference.found)) == 4096
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "protect"))
+def _lean_evict(layout, digests, keys, overflow, scores, words, pending, new_score, named, protect):
+  named = named if protect else None
+  return lean_eviction.evict(layout, digests, keys, overflow, scores, words, pending, new_score, named)
+
+
+@pytest.mark.skipif(not native.ENABLED, reason="kernels off")
+@pytest.mark.parametrize(("num_words", "bucket_size"), [(1, 4), (2, 8), (3, None), (2, 4)])
+@pytest.mark.parametrize("protect", [False, True])
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 2**16))
+def test_lean_evict_kernel_equals_its_reference(num_words, bucket_size, protect, seed):
+  """Eviction rounds (``eviction.evict``) on a full lean table with random scores (ties included):
+  new keys evict the lowest entry of their two buckets, lose claims and choose again, are refused,
+  or displace a key placed earlier in the call; victims placed by probing on lower their overflow
+  counts. Protected: the slots the call names are never evicted."""
+  table, pool, rng = _grown_lean_table(num_words, bucket_size, seed, eviction=jr.CustomScore())
+  live = np.flatnonzero(np.asarray(table._slots()[1]))
+  scores = np.full(table.num_slots, np.iinfo(np.uint32).max, np.uint32)  # free slots: never evicted
+  scores[live] = rng.integers(0, 6, len(live), dtype=np.uint32)
+  fresh = np.unique(rng.integers(0, 2**32, (48, num_words), dtype=np.uint32), axis=0)
+  words = jnp.asarray(np.concatenate([pool[rng.integers(0, len(pool), 24)], fresh]))
+  with native.references():
+    found, slot = jax.jit(LeanTable._locate)(table, words)
+  pending = ~found & jnp.asarray(rng.random(words.shape[0]) < 0.9)
+  new_score = jnp.asarray(rng.integers(0, 8, words.shape[0], dtype=np.uint32))
+  if not protect:  # as under LRU: every key of the call has one score
+    new_score = jnp.full(words.shape[0], 4, jnp.uint32)
+  named = jnp.where(found, slot, -1)
+  args = (table.layout, *table._arrays(), jnp.asarray(scores), words, pending, new_score, named)
+  kernel = _lean_evict(*args, protect=protect)
+  with native.references():
+    reference = _lean_evict(*args, protect=protect)
+  _assert_same(kernel, reference)
+  assert int(np.sum(reference.placed | reference.displaced)) > 0  # evictions happened
+  assert int(np.sum(reference.refused)) > 0
+  if protect:  # named entries kept their slots and scores
+    kept = np.asarray(named)[np.asarray(named) >= 0]
+    np.testing.assert_array_equal(np.asarray(reference.scores)[kept], scores[kept])
+
+
+@pytest.mark.skipif(not native.ENABLED, reason="kernels off")
+@pytest.mark.parametrize(("num_words", "bucket_size"), [(1, 4), (2, None), (3, 8)])
+@pytest.mark.parametrize("policy", ["LRU", "LFU", "CustomScore"])
+@settings(max_examples=2, deadline=None)
+@given(seed=st.integers(0, 2**16))
+def test_lean_evicting_writes_equal_their_references(num_words, bucket_size, policy, seed):
+  """Whole evicting inserts and find_or_inserts of a full lean table (tables, values and evicted
+  entries), with repeats and masked rows, and given scores under ``CustomScore``."""
+  table, pool, rng = _grown_lean_table(num_words, bucket_size, seed, eviction=getattr(jr, policy)())
+  fresh = rng.integers(0, 2**32, (48, num_words), dtype=np.uint32)
+  words = jnp.asarray(np.concatenate([pool[rng.integers(0, len(pool), 40)], fresh, fresh[:8]]))
+  n = words.shape[0]
+  mask = jnp.asarray(rng.random(n) < 0.9)
+  given_scores = jnp.asarray(rng.integers(0, 2**31, n, dtype=np.uint32)) if policy == "CustomScore" else None
+  leaves = [jnp.asarray(rng.random(n), jnp.float32)]
+  for mode in (Upsert.INSERT, Upsert.FIND_OR_INSERT):
+    kernel, reference = _both_ways(_lean_write, table, words, leaves, mask, mode, given_scores)
+    _assert_same(kernel, reference)
+    assert int(reference[0].evictions) > int(table.evictions)
+  if given_scores is None:
+    _assert_same(*_both_ways(_lean_claim, table, words, mask))
+
+
+@pytest.mark.skipif(not native.ENABLED, reason="kernels off")
+def test_lean_writes_call_their_kernels():
+  """On CPU a lean table's insert runs the upsert kernel, and an evicting insert the evict kernel; under
+  ``references()`` neither."""
+  table = LeanTable.create(64, key=jnp.int32, value=jnp.float32, eviction=jr.LFU())
+  insert = jax.jit(lambda t, k: t.insert_and_evict(k, jnp.ones(4)))
+  text = insert.lower(table, jnp.arange(4)).as_text()
+  assert "jaxres_lean_upsert" in text and "jaxres_lean_evict" in text
+  with native.references():
+    text = insert.lower(table, jnp.arange(4)).as_text()
+  assert "jaxres_lean" not in text
+
+
+@pytest.mark.skipif(not native.ENABLED, reason="kernels off")
+def test_lean_write_kernels_refuse_key_rows_of_another_width():
+  """Key rows narrower than the table's keys are an error of the kernels, not reads past their end."""
+  table = LeanTable.create(64, key=jnp.int64, value=jnp.float32, eviction=jr.LFU())
+  words, n = jnp.zeros((4, 1), jnp.uint32), 4
+  with pytest.raises(Exception, match="jaxres_lean_upsert: expected key rows as wide as the table's keys"):
+    jax.block_until_ready(
+      _lean_upsert(table.layout, *table._arrays(), words, jnp.ones(n, bool), table.size, table.capacity)
+    )
+  scores, pending = jnp.zeros(table.num_slots, jnp.uint32), jnp.ones(n, bool)
+  args = (table.layout, *table._arrays(), scores, words, pending, jnp.ones(n, jnp.uint32), jnp.full(n, -1))
+  with pytest.raises(Exception, match="jaxres_lean_evict: expected key rows as wide as the table's keys"):
+    jax.block_until_ready(_lean_evict(*args, protect=True))
 
 
 @pytest.mark.skipif(not native.ENABLED, reason="kernels off")

@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxres._core import call_args, folds, memory
 from jaxres._core.kernels import claims
-from jaxres._core.kernels.row_ops import select_rows, take_rows, write_rows
+from jaxres._core.kernels.row_ops import read_rows, select_rows, take_rows, write_rows
 from jaxres._core.modes import Upsert
 from jaxres._core.policies import Policy
 from jaxres._core.table import Changes, LiveEntries, Table
@@ -365,6 +365,40 @@ class KeptSlots(Storage):
   """A storage whose entries keep their slots until removed (open addressing, lean), with a change
   stamp per value row: a save writes only the entries stamped since the last one (:meth:`changes`),
   and a restore puts entries back at their slots (:meth:`placed`)."""
+
+  @abc.abstractmethod
+  def value_rows(self, placement) -> jax.Array:
+    """``int32[N]``: the value row of each row of a claim (its key's) or of its victims (the victim's).
+
+    ``placement``: the ``Claim`` or ``Victims`` of this storage's ``_claim``; their only difference
+    between storages is where an entry keeps its value (its slot, or a row of its own).
+    """
+
+  def _claim_rows(self, words, active, given_scores=None, weights=None):
+    table, claim = self._claim(words, active, Upsert.FIND_OR_INSERT, given_scores, weights)
+    row = jnp.where(claim.found | claim.placed, self.value_rows(claim), -1)
+    victims = claim.victims
+    if victims is None:
+      return table, row, claim.found, claim.placed, None
+    # No row is written here: the victims' values are still in their rows, read by a plain
+    # gather that the compiled program drops when the caller does not use them. A refused
+    # key offered no value: it reports the default.
+    offered = [jnp.broadcast_to(d, (words.shape[0], *d.shape)) for d in self.default]
+    values = select_rows(victims.refused, offered, take_rows(table.values, self.value_rows(victims)))
+    return table, row, claim.found, claim.placed, (victims.words, values, victims.scores, victims.valid)
+
+  def _evicted(self, victims, offered) -> tuple[KeptSlots, tuple | None]:
+    """``(table, evicted)``: the victims' entries (a claim's ``Victims``, or none), read before a
+    newcomer writes their rows.
+
+    ``offered``: the value leaves a refused (or displaced) key reports.
+    """
+    if victims is None:
+      return self, None
+    values, victim_values = read_rows(self.values, self.value_rows(victims))
+    leaves = select_rows(victims.refused, offered, victim_values)
+    table = dataclasses.replace(self, values=tuple(values))
+    return table, (victims.words, leaves, victims.scores, victims.valid)
 
   def _live_slots(self):
     return np.flatnonzero(jax.device_get(_jit_live(self)))

@@ -24,6 +24,9 @@ choose from stale scores too often). When several choose one slot, it goes to
 the lowest batch row (an integer scatter-min claim, deterministic on every
 backend) and the others choose again in the next round, seeing what the
 winners did. Work is O(batch): each round reads its rows' two buckets.
+
+On CPU one kernel (``jaxres_lean_evict``) replays the same rounds row by row, with the same
+claims, so every key takes the slot it takes here.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import numpy as np
 from jax import lax
 
 from jaxres._core import constants, ordering
-from jaxres._core.kernels import claims
+from jaxres._core.kernels import claims, native
 from jaxres._core.storages.lean.layout import Layout
 
 NO_SCORE = np.uint32(np.iinfo(np.uint32).max)  # a free slot's score (storage.NO_SCORE): never evicted
@@ -70,6 +73,38 @@ def evict(layout: Layout, digests, keys, overflow, scores, words, pending, new_s
       none), or ``None`` when scores already protect them: every key of the call then has one
       score (``new_score``, LRU's clock), the highest of the table.
   """
+  n = words.shape[0]
+  results = Outcome(
+    *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (digests, keys, overflow, scores)),
+    slot=jax.ShapeDtypeStruct((n,), jnp.int32),
+    placed=jax.ShapeDtypeStruct((n,), jnp.bool_),
+    refused=jax.ShapeDtypeStruct((n,), jnp.bool_),
+    displaced=jax.ShapeDtypeStruct((n,), jnp.bool_),
+    victim_batch=jax.ShapeDtypeStruct((n,), jnp.int32),
+    victim_words=jax.ShapeDtypeStruct(words.shape, jnp.uint32),
+    victim_score=jax.ShapeDtypeStruct((n,), jnp.uint32),
+  )
+  protect = named is not None
+
+  def reference(digests, keys, overflow, scores, words, pending, new_score, named):
+    return tuple(
+      _evict_reference(
+        layout, digests, keys, overflow, scores, words, pending, new_score, named if protect else None
+      )
+    )
+
+  out = native.on_cpu(
+    "jaxres_lean_evict", reference, results, digests, keys, overflow, scores, words, pending, new_score,
+    named if protect else jnp.zeros((0,), jnp.int32), aliases={0: 0, 1: 1, 2: 2, 3: 3},
+    bucket_size=layout.bucket_size,
+  )  # fmt: skip
+  return Outcome(*out)
+
+
+def _evict_reference(
+  layout: Layout, digests, keys, overflow, scores, words, pending, new_score, named
+) -> Outcome:
+  """:func:`evict` in XLA: the reference of its kernel, and the GPU/TPU path."""
   n = words.shape[0]
   first, second, digest = layout.buckets_of(words)
   if named is not None:  # read before the masking writes, then written back after the rounds

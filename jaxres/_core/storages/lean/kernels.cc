@@ -3,6 +3,8 @@
 //
 //   jaxres_lean_locate probing.locate          (storages/lean/probing.py)
 //   jaxres_lean_lookup LeanTable._lookup_rows  (storages/lean/table.py)
+//   jaxres_lean_upsert placing.upsert_slots    (storages/lean/placing.py)
+//   jaxres_lean_evict  eviction.evict          (storages/lean/eviction.py)
 //
 // Each computes exactly what its pure-XLA counterpart computes (the XLA code is the reference and
 // the GPU/TPU path): the reference reads both buckets' digests at once and settles the rare rows
@@ -12,6 +14,12 @@
 // find the same slot. The digest lines of a row's two buckets are fetched kAhead rows ahead. The
 // rows are split over XLA's intra-op thread pool; every row is computed by exactly one thread from
 // inputs no thread writes, so results never depend on scheduling.
+//
+// The writes (upsert, evict) replay their reference's rounds one after the other on one thread:
+// each round takes the same lowest pending rows, chooses from the slots as the round began, and
+// settles its claims by the same hashed cells (claims.cell_of: rows that meet in a cell lose to the
+// lowest of them even where their slots differ), so every round ends as the reference's does. The
+// table's arrays are updated in place (aliased).
 
 #include "kernels.h"
 
@@ -215,6 +223,390 @@ ffi::Error Lookup(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> digests, ffi::Buff
   return ffi::Error::Success();
 }
 
+
+// ------------------------------------------------------------------ writes
+
+// A slot bitmask of one bucket (up to 128 slots): bit j of word j / 64 is slot j.
+struct Bits {
+  uint64_t word[2] = {0, 0};
+  int Count() const { return BitCount64(word[0]) + BitCount64(word[1]); }
+  static int BitCount64(uint64_t x) {
+    return BitCount(static_cast<uint32_t>(x)) + BitCount(static_cast<uint32_t>(x >> 32));
+  }
+  // The position of the k-th set bit (from 0), k below Count() (layout.nth_bit).
+  int Nth(int k) const {
+    int base = 0;
+    uint64_t x = word[0];
+    if (const int low = BitCount64(x); k >= low) {
+      k -= low;
+      x = word[1];
+      base = 64;
+    }
+    for (; k > 0; --k) x &= x - 1;
+    return base + __builtin_ctzll(x);
+  }
+};
+
+// The free slots (digest 0) of `bucket`, as layout.free.
+inline Bits FreeSlots(const uint8_t* digests, int64_t bucket, int64_t bucket_size) {
+  const uint8_t* line = digests + bucket * bucket_size;
+  Bits bits;
+  int64_t at = 0;
+#if defined(__SSE2__)
+  const __m128i zero = _mm_setzero_si128();
+  for (; at + 16 <= bucket_size; at += 16) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(line + at));
+    const uint64_t m = static_cast<uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi8(bytes, zero)));
+    bits.word[at >> 6] |= m << (at & 63);
+  }
+#endif
+  for (; at < bucket_size; ++at) {
+    if (line[at] == 0) bits.word[at >> 6] |= uint64_t{1} << (at & 63);
+  }
+  return bits;
+}
+
+// Layout.second_choice: whether a new key takes its second bucket, given both buckets' free slots.
+inline bool SecondChoice(int free_first, int free_second) {
+  return free_second > free_first + kLeanFirstBucketBias || (free_first == 0 && free_second > 0);
+}
+
+// Layout.lane: which free slot a new key tries first, in [0, 2^16).
+inline uint32_t Lane(const uint32_t* w, int64_t num_words) {
+  return Mix(HashWords(w, num_words, kBucketSeed), kLaneSeed) >> 16;
+}
+
+// The table's arrays as the write kernels update them (the results, aliased to the arguments).
+struct Writable {
+  uint8_t* digests;
+  uint32_t* keys;
+  uint32_t* overflow;
+  int64_t num_buckets, bucket_size, num_words;
+
+  Slots View() const { return {digests, keys, overflow, num_buckets, bucket_size, num_words}; }
+
+  // The entry of key `w` (digest `digest`) into free or evicted `slot`.
+  void Store(int64_t slot, const uint32_t* w, uint32_t digest) {
+    digests[slot] = static_cast<uint8_t>(digest);
+    std::memcpy(keys + slot * num_words, w, num_words * sizeof(uint32_t));
+  }
+
+  // Layout.shift_overflow for one key: `delta` in every bucket from `first` up to (not including)
+  // the bucket of `slot`.
+  void ShiftOverflow(int64_t first, int64_t slot, uint32_t delta) {
+    const int64_t distance = ((slot / bucket_size - first) % num_buckets + num_buckets) % num_buckets;
+    for (int64_t r = 0, at = first; r < distance; ++r, at = at + 1 == num_buckets ? 0 : at + 1) {
+      overflow[at] += delta;
+    }
+  }
+};
+
+// A result that updates an argument: the argument's data, copied where XLA did not alias the two.
+template <ffi::DataType T>
+auto* InPlace(const ffi::Buffer<T>& in, ffi::ResultBuffer<T>& out) {
+  auto* data = out->typed_data();
+  if (data != in.typed_data()) std::memcpy(data, in.typed_data(), in.size_bytes());
+  return data;
+}
+
+// One round of claims (claims.lowest_writer over claims.cell_of): which of a round's positions win
+// their candidate slot. `candidate[p] < 0`: position p does not try. `scratch_size`: the reference's
+// scratch for rounds of its width (not the number of rows this round holds).
+class Claims {
+ public:
+  void Settle(const std::vector<int64_t>& candidate, int32_t rounds, int64_t scratch_size, std::vector<char>& won) {
+    const int64_t r = candidate.size();
+    cells_.resize(r);
+    trying_.resize(r);
+    for (int64_t p = 0; p < r; ++p) {
+      trying_[p] = candidate[p] >= 0;
+      cells_[p] = trying_[p] ? CellOf(static_cast<int32_t>(candidate[p]), rounds, scratch_size) : 0;
+    }
+    LowestWriter(cells_, trying_, scratch_size, scratch_, writer_);
+    won.resize(r);
+    for (int64_t p = 0; p < r; ++p) won[p] = trying_[p] && writer_[p] == p;
+  }
+
+ private:
+  std::vector<int64_t> cells_;
+  std::vector<char> trying_;
+  std::vector<int32_t> scratch_, writer_;
+};
+
+// placing.place: the `pending` rows (distinct new keys, as many as there are free slots) placed, in
+// pair rounds of the lowest `m` pending rows, then the rows whose two buckets were full probing on,
+// `chunk` rows a round. Sets `slot` of each placed row.
+void Place(Writable& t, const uint32_t* words, int64_t n, const std::vector<char>& pending, int32_t* slot) {
+  const int64_t W = t.num_words, size = t.bucket_size, nb = t.num_buckets;
+  const int64_t m = std::min(n, std::max<int64_t>(kChunkMinRows, kLeanRowsPerBucket * nb));
+  const int64_t chunk = ChunkSize(n);
+  std::vector<int64_t> queue, rest, candidate;
+  std::vector<int64_t> first(n), second(n);
+  std::vector<uint32_t> digest(n), lane(n);
+  std::vector<char> won;
+  const Slots view = t.View();
+  for (int64_t i = 0; i < n; ++i) {
+    if (!pending[i]) continue;
+    view.BucketsOf(words + i * W, &first[i], &second[i], &digest[i]);
+    lane[i] = Lane(words + i * W, W);
+    queue.push_back(i);
+  }
+  Claims claims;
+  int32_t rounds = 0;
+  // A round: `choose(i)` is row i's candidate slot (-1: none this round); `keep(i)` whether a row
+  // that did not win stays pending. The winners store their keys after every row has chosen.
+  auto round = [&](int64_t width, auto choose, auto keep) {
+    const int64_t r = std::min<int64_t>(width, queue.size());
+    candidate.resize(r);
+    for (int64_t p = 0; p < r; ++p) candidate[p] = choose(queue[p]);
+    claims.Settle(candidate, rounds, ScratchSize(width), won);
+    rest.clear();
+    for (int64_t p = 0; p < r; ++p) {
+      const int64_t i = queue[p];
+      if (won[p]) {
+        t.Store(candidate[p], words + i * W, digest[i]);
+        slot[i] = static_cast<int32_t>(candidate[p]);
+      } else if (keep(i)) {
+        rest.push_back(i);
+      }
+    }
+    rest.insert(rest.end(), queue.begin() + r, queue.end());
+    queue.swap(rest);
+    ++rounds;
+  };
+  auto take = [&](int64_t bucket, const Bits& free, uint32_t key_lane) {
+    const uint32_t count = free.Count();
+    return bucket * size + free.Nth(static_cast<int>((key_lane * count) >> 16));
+  };
+  std::vector<char> spilled(n);
+  while (!queue.empty()) {  // pairs
+    round(
+        m,
+        [&](int64_t i) -> int64_t {
+          const Bits a = FreeSlots(t.digests, first[i], size), b = FreeSlots(t.digests, second[i], size);
+          const int ca = a.Count(), cb = b.Count();
+          if (ca == 0 && cb == 0) {
+            spilled[i] = 1;
+            return -1;
+          }
+          return SecondChoice(ca, cb) ? take(second[i], b, lane[i]) : take(first[i], a, lane[i]);
+        },
+        [&](int64_t i) { return !spilled[i]; });
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (spilled[i]) queue.push_back(i);
+  }
+  std::vector<int64_t> cursor = first;
+  while (!queue.empty()) {  // probing on
+    round(
+        chunk,
+        [&](int64_t i) -> int64_t {
+          const int64_t bucket = (cursor[i] + 1) % nb;
+          const Bits free = FreeSlots(t.digests, bucket, size);
+          if (free.Count() == 0) {
+            cursor[i] = bucket;
+            return -1;
+          }
+          return take(bucket, free, lane[i]);
+        },
+        [](int64_t) { return true; });
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (spilled[i]) t.ShiftOverflow(first[i], slot[i], 1);
+  }
+}
+
+// placing.upsert_slots: the keys of the active rows located, the new ones that fit admitted (the
+// first `capacity - size` distinct ones) and placed.
+ffi::Error Upsert(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> digests_in, ffi::Buffer<ffi::U32> keys_in,
+                  ffi::Buffer<ffi::U32> overflow_in, ffi::Buffer<ffi::U32> words_in, ffi::Buffer<ffi::PRED> active_in,
+                  ffi::Buffer<ffi::S32> size_in, ffi::ResultBuffer<ffi::U32> digests_out,
+                  ffi::ResultBuffer<ffi::U32> keys_out, ffi::ResultBuffer<ffi::U32> overflow_out,
+                  ffi::ResultBuffer<ffi::PRED> found_out, ffi::ResultBuffer<ffi::S32> slot_out,
+                  ffi::ResultBuffer<ffi::PRED> admitted_out, ffi::ResultBuffer<ffi::S32> dropped_out,
+                  ffi::ResultBuffer<ffi::S32> first_out, int64_t bucket_size, int64_t capacity) {
+  Writable t{reinterpret_cast<uint8_t*>(InPlace(digests_in, digests_out)), InPlace(keys_in, keys_out),
+             InPlace(overflow_in, overflow_out), overflow_in.dimensions()[0], bucket_size, keys_in.dimensions()[1]};
+  if (words_in.dimensions().size() != 2 || words_in.dimensions()[1] != t.num_words) {
+    return ffi::Error::InvalidArgument("jaxres_lean_upsert: expected key rows as wide as the table's keys");
+  }
+  const int64_t n = words_in.dimensions()[0], W = t.num_words;
+  const uint32_t* words = words_in.typed_data();
+  const bool* active = active_in.typed_data();
+  bool* found = found_out->typed_data();
+  bool* admitted = admitted_out->typed_data();
+  int32_t* slot = slot_out->typed_data();
+  int32_t* first = first_out->typed_data();
+  dropped_out->typed_data()[0] = 0;
+  if (n == 0) return ffi::Error::Success();
+  const Slots view = t.View();
+  ParallelFor(pool, n, kGrain, 1, [&](int64_t begin, int64_t end) {  // reads alone
+    const uint32_t* w = words + begin * W;
+    BucketsAhead ahead(view, w, end - begin);
+    int64_t a, b;
+    uint32_t digest;
+    for (int64_t k = 0; k < end - begin; ++k) {
+      ahead.Next(k, &a, &b, &digest);
+      found[begin + k] = view.Locate(w + k * W, a, b, digest, slot + begin + k);
+    }
+  });
+  std::unique_ptr<bool[]> is_new(new bool[n]);
+  for (int64_t i = 0; i < n; ++i) is_new[i] = active[i] && !found[i];
+  OwnerPerKey(words, n, W, is_new.get(), false, first);
+  const int64_t room = std::max<int64_t>(capacity - size_in.typed_data()[0], 0);
+  std::vector<char> head(n);  // the first row of each new key that fits
+  std::vector<int32_t> placed(n, 0);
+  int64_t heads = 0, taken = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!is_new[i] || first[i] != i) continue;
+    head[i] = ++heads <= room;
+    taken += head[i];
+  }
+  dropped_out->typed_data()[0] = static_cast<int32_t>(heads - taken);
+  Place(t, words, n, head, placed.data());
+  for (int64_t i = 0; i < n; ++i) {
+    admitted[i] = is_new[i] && head[first[i]];
+    if (admitted[i]) slot[i] = placed[first[i]];
+    found[i] = found[i] && active[i];
+  }
+  return ffi::Error::Success();
+}
+
+// eviction._lowest: the first slot of lowest score in buckets `a` then `b` (a tie goes to `a`).
+inline int64_t Lowest(const uint32_t* scores, int64_t a, int64_t b, int64_t bucket_size, uint32_t* score) {
+  int64_t best[2];
+  uint32_t low[2];
+  for (int k = 0; k < 2; ++k) {
+    const int64_t base = (k ? b : a) * bucket_size;
+    best[k] = base;
+    low[k] = scores[base];
+    for (int64_t at = 1; at < bucket_size; ++at) {
+      if (scores[base + at] < low[k]) {
+        low[k] = scores[base + at];
+        best[k] = base + at;
+      }
+    }
+  }
+  const int k = low[1] < low[0];
+  *score = low[k];
+  return best[k];
+}
+
+// eviction.evict: the keys of the `pending` rows (distinct new keys of a full table) take the slot
+// of the entry of lowest score of their two buckets where it scores below them, in rounds of the
+// lowest `m` pending rows. `named` (int32[n], or int32[0] for none): slots no key evicts.
+ffi::Error Evict(ffi::Buffer<ffi::U32> digests_in, ffi::Buffer<ffi::U32> keys_in, ffi::Buffer<ffi::U32> overflow_in,
+                 ffi::Buffer<ffi::U32> scores_in, ffi::Buffer<ffi::U32> words_in, ffi::Buffer<ffi::PRED> pending_in,
+                 ffi::Buffer<ffi::U32> new_score_in, ffi::Buffer<ffi::S32> named_in,
+                 ffi::ResultBuffer<ffi::U32> digests_out, ffi::ResultBuffer<ffi::U32> keys_out,
+                 ffi::ResultBuffer<ffi::U32> overflow_out, ffi::ResultBuffer<ffi::U32> scores_out,
+                 ffi::ResultBuffer<ffi::S32> slot_out, ffi::ResultBuffer<ffi::PRED> placed_out,
+                 ffi::ResultBuffer<ffi::PRED> refused_out, ffi::ResultBuffer<ffi::PRED> displaced_out,
+                 ffi::ResultBuffer<ffi::S32> victim_batch_out, ffi::ResultBuffer<ffi::U32> victim_words_out,
+                 ffi::ResultBuffer<ffi::U32> victim_score_out, int64_t bucket_size) {
+  Writable t{reinterpret_cast<uint8_t*>(InPlace(digests_in, digests_out)), InPlace(keys_in, keys_out),
+             InPlace(overflow_in, overflow_out), overflow_in.dimensions()[0], bucket_size, keys_in.dimensions()[1]};
+  uint32_t* scores = InPlace(scores_in, scores_out);
+  if (words_in.dimensions().size() != 2 || words_in.dimensions()[1] != t.num_words) {
+    return ffi::Error::InvalidArgument("jaxres_lean_evict: expected key rows as wide as the table's keys");
+  }
+  const int64_t n = words_in.dimensions()[0], W = t.num_words, nb = t.num_buckets;
+  const uint32_t *words = words_in.typed_data(), *new_score = new_score_in.typed_data();
+  const bool* pending = pending_in.typed_data();
+  int32_t* slot = slot_out->typed_data();
+  bool* placed = placed_out->typed_data();
+  bool* refused = refused_out->typed_data();
+  bool* displaced = displaced_out->typed_data();
+  int32_t* victim_batch = victim_batch_out->typed_data();
+  uint32_t* victim_words = victim_words_out->typed_data();
+  uint32_t* victim_score = victim_score_out->typed_data();
+  std::fill(slot, slot + n, 0);
+  std::fill(placed, placed + n, false);
+  std::fill(refused, refused + n, false);
+  std::fill(displaced, displaced + n, false);
+  std::fill(victim_batch, victim_batch + n, -1);
+  std::fill(victim_words, victim_words + n * W, 0u);
+  std::fill(victim_score, victim_score + n, 0u);
+  if (n == 0) return ffi::Error::Success();
+  const bool protect = named_in.dimensions()[0] == n;
+  const int32_t* named = named_in.typed_data();
+  constexpr uint32_t kNoScore = UINT32_MAX;
+  std::vector<uint32_t> named_scores;
+  if (protect) {  // read before the masking writes, written back after the rounds
+    named_scores.resize(n);
+    for (int64_t i = 0; i < n; ++i) named_scores[i] = scores[std::max(named[i], 0)];
+    for (int64_t i = 0; i < n; ++i) {
+      if (named[i] >= 0) scores[named[i]] = kNoScore;
+    }
+  }
+  const Slots view = t.View();
+  std::vector<int64_t> queue, rest, candidate, first(n), second(n);
+  std::vector<uint32_t> digest(n), low;
+  std::vector<char> won;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!pending[i]) continue;
+    view.BucketsOf(words + i * W, &first[i], &second[i], &digest[i]);
+    queue.push_back(i);
+  }
+  const int64_t m = std::min(n, std::max<int64_t>(kChunkMinRows, kLeanRowsPerBucket * nb));
+  Claims claims;
+  for (int32_t rounds = 0; !queue.empty(); ++rounds) {
+    const int64_t r = std::min<int64_t>(m, queue.size());
+    candidate.resize(r);
+    low.resize(r);
+    for (int64_t p = 0; p < r; ++p) {
+      const int64_t i = queue[p];
+      const int64_t victim = Lowest(scores, first[i], second[i], bucket_size, &low[p]);
+      candidate[p] = low[p] < new_score[i] ? victim : -1;
+    }
+    claims.Settle(candidate, rounds, ScratchSize(m), won);
+    rest.clear();
+    for (int64_t p = 0; p < r; ++p) {
+      const int64_t i = queue[p], victim = candidate[p];
+      if (victim < 0) {
+        refused[i] = true;
+      } else if (won[p]) {
+        const uint32_t* old = t.keys + victim * W;
+        int64_t victim_first, victim_second;
+        uint32_t unused;
+        view.BucketsOf(old, &victim_first, &victim_second, &unused);
+        const int64_t bucket = victim / bucket_size;
+        if (bucket != victim_first && bucket != victim_second) t.ShiftOverflow(victim_first, victim, ~0u);
+        std::memcpy(victim_words + i * W, old, W * sizeof(uint32_t));
+        t.Store(victim, words + i * W, digest[i]);
+        scores[victim] = new_score[i];
+        slot[i] = static_cast<int32_t>(victim);
+        placed[i] = true;
+        victim_score[i] = low[p];
+      } else {
+        rest.push_back(i);
+      }
+    }
+    rest.insert(rest.end(), queue.begin() + r, queue.end());
+    queue.swap(rest);
+  }
+  if (!protect) return ffi::Error::Success();  // every key of the call scores the highest: none evicts another
+  for (int64_t i = 0; i < n; ++i) {
+    if (named[i] >= 0) scores[named[i]] = named_scores[i];
+  }
+  // eviction._displacements: a row whose victim's key is a key this call placed displaced that row.
+  std::vector<int32_t> owner(2 * n);
+  std::vector<uint32_t> both(2 * n * W);
+  std::unique_ptr<bool[]> mask(new bool[2 * n]);
+  std::memcpy(both.data(), words, n * W * sizeof(uint32_t));
+  std::memcpy(both.data() + n * W, victim_words, n * W * sizeof(uint32_t));
+  for (int64_t i = 0; i < n; ++i) mask[i] = mask[n + i] = placed[i];
+  OwnerPerKey(both.data(), 2 * n, W, mask.get(), false, owner.data());
+  for (int64_t i = 0; i < n; ++i) {
+    if (placed[i] && owner[n + i] < n) victim_batch[i] = owner[n + i];
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (victim_batch[i] >= 0) displaced[victim_batch[i]] = true;
+  }
+  for (int64_t i = 0; i < n; ++i) placed[i] = placed[i] && !displaced[i];
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jaxres::lean
 
@@ -241,5 +633,50 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresLeanLookup, jaxres::lean::Lookup,
                                   .RemainingRets()
                                   .Attr<int64_t>("bucket_size"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresLeanUpsert, jaxres::lean::Upsert,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Attr<int64_t>("bucket_size")
+                                  .Attr<int64_t>("capacity"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxresLeanEvict, jaxres::lean::Evict,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::PRED>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Attr<int64_t>("bucket_size"));
+
 JAXRES_REGISTER_KERNEL("jaxres_lean_locate", JaxresLeanLocate);
 JAXRES_REGISTER_KERNEL("jaxres_lean_lookup", JaxresLeanLookup);
+JAXRES_REGISTER_KERNEL("jaxres_lean_upsert", JaxresLeanUpsert);
+JAXRES_REGISTER_KERNEL("jaxres_lean_evict", JaxresLeanEvict);

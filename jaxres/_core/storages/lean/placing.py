@@ -19,6 +19,9 @@ In each round the rows claim their slots with an integer scatter-min of
 their batch index into a batch-sized scratch array, at a cell hashed from the
 slot (:mod:`jaxres._core.kernels.claims`): the lowest row wins on every
 backend; the others try again in the next round. Work is O(batch).
+
+On CPU one kernel (``jaxres_lean_upsert``) replays the same rounds row by row, with the same
+claims, so it places every key where this module does.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxres._core import constants
-from jaxres._core.kernels import claims
+from jaxres._core.kernels import claims, native
 from jaxres._core.storages.lean import probing
 from jaxres._core.storages.lean.layout import Layout, nth_bit
 
@@ -49,13 +52,32 @@ class Upserted(NamedTuple):
 
 
 def upsert_slots(layout: Layout, digests, keys, overflow, words, active, size, capacity: int) -> Upserted:
-  """Locates the keys of the ``active`` rows, admits the new ones that fit, and places them.
+  """Locates the keys of the ``active`` rows, admits the new ones that fit, and places them (on CPU
+  the kernel ``jaxres_lean_upsert``, which replays the rounds below, updating the arrays in place).
 
   Args:
     layout: the slots' layout; ``digests``, ``keys``, ``overflow``: its arrays.
     words: uint32[N, W] key rows; ``active``: bool[N], the rows taking part.
     size: int32[], the table's live entries; ``capacity``: the entries it holds.
   """
+  n = words.shape[0]
+  flag, index = jax.ShapeDtypeStruct((n,), jnp.bool_), jax.ShapeDtypeStruct((n,), jnp.int32)
+  results = Upserted(
+    *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (digests, keys, overflow)),
+    flag, index, flag, jax.ShapeDtypeStruct((), jnp.int32), index,
+  )  # fmt: skip
+  reference = lambda *args: tuple(_upsert_reference(layout, *args, capacity))
+  out = native.on_cpu(
+    "jaxres_lean_upsert", reference, results, digests, keys, overflow, words, active, size,
+    aliases={0: 0, 1: 1, 2: 2}, bucket_size=layout.bucket_size, capacity=capacity,
+  )  # fmt: skip
+  return Upserted(*out)
+
+
+def _upsert_reference(
+  layout: Layout, digests, keys, overflow, words, active, size, capacity: int
+) -> Upserted:
+  """:func:`upsert_slots` in XLA: the reference of its kernel, and the GPU/TPU path."""
   n = words.shape[0]
   index = jnp.arange(n, dtype=jnp.int32)
   hit, slot = probing.locate(layout, digests, keys, overflow, words)

@@ -16,8 +16,9 @@ the table has about 2 % more slots than its capacity.
 * **No tombstones.** A bucket's overflow count is the number of live entries
   that probed past it; removing one lowers the counts it raised.
 
-Its reads (locate, lookup) run a kernel on CPU (``kernels.cc``), the XLA path elsewhere; its writes
-run the XLA path on every backend.
+On CPU its reads (locate, lookup) and the placement and eviction of its writes run kernels
+(``kernels.cc``), bit for bit the XLA path that other backends run; the rest of its writes (values,
+scores, stamps, removal) are scatters of the XLA path everywhere.
 """
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ from jaxres._core import call_args, ordering
 from jaxres._core.encoding import key_specs
 from jaxres._core.encoding.value_specs import ValueSpec
 from jaxres._core.kernels import claims, native
-from jaxres._core.kernels.row_ops import read_rows, select_rows, take_rows
-from jaxres._core.modes import Upsert
+from jaxres._core.kernels.row_ops import select_rows, take_rows
 from jaxres._core.policies import Policy, check_policy
 from jaxres._core.pytrees import pytree_dataclass, static_field
 from jaxres._core.storages.lean import eviction, placing, probing
@@ -269,30 +269,9 @@ class LeanTable(KeptSlots):
     # the old array would keep it alive next to the new one, and XLA would copy it whole.
     return table, select_rows(claim.found, take_rows(table.values, claim.slot), new_values), evicted
 
-  def _claim_rows(self, words, active, given_scores=None, weights=None):
-    table, claim = self._claim(words, active, Upsert.FIND_OR_INSERT, given_scores, weights)
-    slot = jnp.where(claim.found | claim.placed, claim.slot, -1)
-    victims = claim.victims
-    if victims is None:
-      return table, slot, claim.found, claim.placed, None
-    # No row is written here: the victims' values are still in their slots, read by a plain
-    # gather that the compiled program drops when the caller does not use them. A refused
-    # key offered no value: it reports the default.
-    offered = [jnp.broadcast_to(d, (words.shape[0], *d.shape)) for d in self.default]
-    values = select_rows(victims.refused, offered, take_rows(table.values, victims.slot))
-    return table, slot, claim.found, claim.placed, (victims.words, values, victims.scores, victims.valid)
-
-  def _evicted(self, victims: Victims | None, offered) -> tuple[LeanTable, tuple | None]:
-    """``(table, evicted)``: the victims' entries, read before the newcomers write their slots.
-
-    ``offered``: the value leaves a refused (or displaced) key reports.
-    """
-    if victims is None:
-      return self, None
-    values, victim_values = read_rows(self.values, victims.slot)
-    leaves = select_rows(victims.refused, offered, victim_values)
-    table = dataclasses.replace(self, values=tuple(values))
-    return table, (victims.words, leaves, victims.scores, victims.valid)
+  def value_rows(self, placement) -> jax.Array:
+    """A slot is its value row: ``placement.slot``."""
+    return placement.slot
 
   def _claim(self, words, active, mode, given_scores, weights) -> tuple[LeanTable, Claim]:
     """Locates the rows' keys and gives the new ones slots, evicting when the table is full (stamped;

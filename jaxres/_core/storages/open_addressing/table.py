@@ -34,8 +34,7 @@ from jaxres._core import call_args, constants, ordering
 from jaxres._core.encoding import key_specs
 from jaxres._core.encoding.value_specs import ValueSpec
 from jaxres._core.kernels import claims, native
-from jaxres._core.kernels.row_ops import read_rows, select_rows, take_rows
-from jaxres._core.modes import Upsert
+from jaxres._core.kernels.row_ops import select_rows, take_rows
 from jaxres._core.policies import Policy, check_policy
 from jaxres._core.pytrees import pytree_dataclass, static_field
 from jaxres._core.storages.open_addressing import eviction_rounds, placing
@@ -305,35 +304,9 @@ class OpenAddressingTable(KeptSlots):
     table, out = table._write_values(words, leaves, claim, mode)
     return table, out, evicted
 
-  def _claim_rows(self, words, active, given_scores=None, weights=None):
-    table, claim = self._claim(words, active, Upsert.FIND_OR_INSERT, given_scores, weights)
-    stored = claim.found | claim.placed
-    row = jnp.where(stored, claim.row, -1)
-    victims = claim.victims
-    if victims is None:
-      return table, row, claim.found, claim.placed, None
-    # No row is written here: the victims' values are still in their rows, read by a plain
-    # gather that the compiled program drops when the caller does not use them. A refused
-    # key offered no value: it reports the default.
-    offered = [jnp.broadcast_to(d, (words.shape[0], *d.shape)) for d in self.default]
-    values = select_rows(victims.refused, offered, take_rows(table.values, victims.row))
-    return table, row, claim.found, claim.placed, (victims.words, values, victims.scores, victims.valid)
-
-  def _evicted(self, victims: Victims | None, offered) -> tuple[OpenAddressingTable, tuple | None]:
-    """``(table, evicted)``: the victims' entries read before a newcomer writes their rows.
-
-    ``offered``: the value leaves a refused row reports.
-    """
-    if victims is None:
-      return self, None
-    values, victim_values = read_rows(self.values, victims.row)
-    leaves = select_rows(victims.refused, offered, victim_values)
-    return dataclasses.replace(self, values=tuple(values)), (
-      victims.words,
-      leaves,
-      victims.scores,
-      victims.valid,
-    )
+  def value_rows(self, placement) -> jax.Array:
+    """A slot's value lives in a row of its own: ``placement.row``."""
+    return placement.row
 
   def _claim(self, words, active, mode, given_scores, weights) -> tuple[OpenAddressingTable, Claim]:
     """Locates the rows' keys and gives the new ones slots and value rows (evicting when full).
