@@ -278,3 +278,25 @@ def test_mistakes_around_string_ids_say_what_to_do():
   assert repr(_string_embedding()).startswith(
     "jr.DynamicEmbedding(capacity=16, features=3, key=str, max_length=12"
   )
+
+
+def test_a_checkpoint_of_string_ids_that_are_not_utf8_is_refused_by_name(tmp_path):
+  """A damaged or crafted checkpoint whose id rows decode to no string (bytes that are not UTF-8), or
+  to strings longer than the restoring embedding's max_length (in rows of the same width), was
+  restored, and export() failed afterwards; a MutableHashTable(str) refused the same. Refused at
+  restore, naming the array; the embedding left as it was."""
+  bad = np.asarray(jr.keys.encode_strings(["ab"], MAX)).copy()
+  bad[0, 0] = 0xFFFE0000  # the two bytes of "ab" replaced by 0xFF 0xFE: no UTF-8 string
+  longest = jr.keys.encode_strings(["x" * MAX], MAX)  # MAX bytes: one more than the restorer takes
+  for rows, match in ((bad, "encodes no UTF-8 string"), (longest, "longer than max_length=11")):
+    saved = _string_embedding()
+    saved(jr.keys.encode_strings(["fine"], MAX))  # a training-mode lookup gives the ids rows
+    saved(jnp.asarray(rows))
+    jr.Checkpoint(model=saved).save(tmp_path / match)
+    fresh = _string_embedding(max_length=MAX - 1)  # rows of WIDTH words too
+    fresh(jr.keys.encode_strings(["kept"], MAX - 1))
+    before = fresh.export()
+    with pytest.raises(ValueError, match=match):
+      jr.Checkpoint(model=fresh).restore(tmp_path / match)
+    after = fresh.export()
+    assert after[0].tolist() == before[0].tolist() == ["kept"] and np.array_equal(after[1], before[1])

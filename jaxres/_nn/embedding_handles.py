@@ -25,6 +25,7 @@ import re
 import jax.numpy as jnp
 import numpy as np
 
+from jaxres._core.encoding import strings
 from jaxres._integrations.nnx import VariableHandle
 from jaxres._nn import counters
 from jaxres._nn.embedding import EmbeddingCounters, EmbeddingRows, EmbeddingStep
@@ -94,7 +95,7 @@ class EmbeddingRowsHandle(VariableHandle):
   """The rows table of an embedding: restored as any table's, or rows only (see the module)."""
 
   def restore(self, arrays):
-    _check_string_width(arrays, self.obj.get_value().key_spec, self.obj.get_metadata().get("max_length"))
+    _check_string_ids(arrays, self.obj.get_value().key_spec, self.obj.get_metadata().get("max_length"))
     optimizer = self.obj.get_metadata()["row_optimizer"]
     if trained_with_another_optimizer(arrays, optimizer):
       if not self.obj.get_metadata()["restore_rows_only"]:
@@ -107,18 +108,28 @@ class EmbeddingRowsHandle(VariableHandle):
     return super().restore(arrays)
 
 
-def _check_string_width(arrays, key_spec, max_length: int | None) -> None:
-  """Raises ``ValueError`` when the saved string ids are rows of another width than the table's."""
+def _check_string_ids(arrays, key_spec, max_length: int | None) -> None:
+  """Raises ``ValueError`` when the saved string ids are rows of another width than the table's, or
+  when a row encodes no UTF-8 string of at most ``max_length`` bytes (a damaged or crafted checkpoint:
+  accepted, the table could not be exported or looked up by string again)."""
   if max_length is None:
     return
   for name, array in arrays.items():
+    if saved_entries.field_of(name) != "keys":
+      continue
     words = tuple(array.shape)[-1:]
-    if saved_entries.field_of(name) == "keys" and words != key_spec.shape:
+    if words != key_spec.shape:
       fits = f"max_length={4 * (words[0] - 1)}" if words and words[0] > 1 else "string ids"
       raise ValueError(
         f"the checkpoint's string ids are rows of {words[0] if words else 0} words, this embedding's "
         f"(max_length={max_length}) of {key_spec.shape[0]}: create it with {fits}, as when it was saved."
       )
+    parts = array.rows.values() if isinstance(array, Blocks) else [array]  # this process's shards
+    for part in parts:
+      rows = np.asarray(part, np.uint32).reshape(-1, words[0])
+      if rows.size and int(rows[:, -1].max()) > max_length:
+        raise ValueError(f"{name}: a string id longer than max_length={max_length} bytes: corrupted.")
+      strings.decode(rows, name)
 
 
 class EmbeddingStepHandle(VariableHandle):
