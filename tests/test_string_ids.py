@@ -236,6 +236,7 @@ def test_bad_string_ids_are_named_and_change_nothing():
     (np.array([1.5]), TypeError, "ids: expected strings"),
     (["a", 3], TypeError, "ids: expected strings, got int 3"),
     ([b"\xff"], ValueError, "ids: .* is not UTF-8"),
+    (["ok", "a\udcff"], ValueError, r"ids: 'a\\udcff' holds '\\udcff' at 1, a lone surrogate"),
     (np.asarray(jr.keys.encode_strings(["fox"], 32)), ValueError, r"max_length <= 12 \(rows of width <= 4"),
     (forged, ValueError, "length word says 13 bytes"),
   ]:

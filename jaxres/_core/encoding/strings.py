@@ -29,8 +29,8 @@ def encode(strings, max_length: int, name: str = "keys") -> np.ndarray:
 
   Raises:
     TypeError: an element is not a ``str`` or ``bytes``.
-    ValueError: an element is longer than ``max_length`` UTF-8 bytes, or
-      ``bytes`` that are not UTF-8.
+    ValueError: an element is longer than ``max_length`` UTF-8 bytes, ``bytes``
+      that are not UTF-8, or a ``str`` holding a lone surrogate (no UTF-8 text).
   """
   items = np.asarray(strings, dtype=object)
   width = string_width(max_length)
@@ -38,7 +38,13 @@ def encode(strings, max_length: int, name: str = "keys") -> np.ndarray:
   padded = np.zeros((items.size, (width - 1) * 4), np.uint8)
   for i, item in enumerate(items.reshape(-1)):
     if isinstance(item, str):
-      data = item.encode("utf-8")
+      try:
+        data = item.encode("utf-8")
+      except UnicodeEncodeError as err:  # a lone surrogate: no UTF-8 encoding exists
+        raise ValueError(
+          f"{name}: {item[:40]!r} holds {item[err.start : err.end]!r} at {err.start}, a lone surrogate, "
+          "which no UTF-8 text holds (a str decoded with errors='surrogateescape', say)."
+        ) from None
     elif isinstance(item, bytes):
       data = item
       try:
