@@ -85,6 +85,25 @@ def test_a_symlink_leaving_the_delta_is_refused(served_pair, tmp_path):
   _refused(served_pair, delta, "outside the directory")
 
 
+def test_a_loop_of_symlinks_is_refused_by_name(served_pair, tmp_path):
+  """A file replaced by a loop of symbolic links, in a delta and in a checkpoint: a ValueError naming
+  it (a bare RuntimeError before)."""
+  delta = _copy(served_pair, tmp_path)
+  file = delta / "tables" / "0" / "words.npy"
+  os.remove(file)
+  os.symlink(tmp_path / "loop", file)
+  os.symlink(file, tmp_path / "loop")
+  _refused(served_pair, delta, "words.npy'?: its symbolic links cannot be followed")
+  root = jr.AutoTrackable()
+  root.x = np.ones(3)
+  path = jr.Checkpoint(model=root).save(tmp_path / "ckpt")
+  metadata = os.path.join(path, "manifest", "metadata")
+  os.remove(metadata)
+  os.symlink(metadata, metadata)
+  with pytest.raises(ValueError, match="metadata: its symbolic links cannot be followed"):
+    jr.Checkpoint(model=jr.AutoTrackable()).restore(path)
+
+
 def test_a_fifo_in_place_of_a_file_is_refused_without_waiting(served_pair, tmp_path):
   delta = _copy(served_pair, tmp_path)
   os.remove(delta / "tables" / "0" / "words.npy")

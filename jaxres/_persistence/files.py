@@ -113,9 +113,18 @@ def confined(root: Path, name: Any, what: str) -> Path:
   if not parts or any(part in ("", ".", "..") or "\\" in part or "\0" in part for part in parts):
     raise ValueError(f"{root}: {what} {name!r} is not a plain relative name inside the directory.")
   path = root.joinpath(*parts)
-  if not path.resolve().is_relative_to(root.resolve()):
+  if not _resolved(path, f"{root}: {what} {name!r}").is_relative_to(_resolved(root, root)):
     raise ValueError(f"{root}: {what} {name!r} leads outside the directory (a symbolic link).")
   return path
+
+
+def _resolved(path: Path, label: Any) -> Path:
+  """``path`` with its symbolic links followed; a ``ValueError`` naming ``label`` for a loop of them
+  (Python raises ``RuntimeError`` for one before 3.13, ``OSError`` after)."""
+  try:
+    return path.resolve()
+  except (RuntimeError, OSError) as err:
+    raise ValueError(f"{label}: its symbolic links cannot be followed ({err}).") from None
 
 
 def open_regular(path: Path) -> BinaryIO:
@@ -208,11 +217,11 @@ def check_tree(root: Path) -> None:
   Raises:
     ValueError: naming the first entry that is neither, or a link leaving ``root``.
   """
-  top = root.resolve()
+  top = _resolved(root, root)
   for directory, dirs, files in os.walk(root):
     for name in dirs + files:
       path = Path(directory, name)
-      if not path.resolve().is_relative_to(top):
+      if not _resolved(path, path).is_relative_to(top):
         raise ValueError(f"{path}: a symbolic link leading outside {root}.")
       mode = path.stat().st_mode if path.exists() else 0
       if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
