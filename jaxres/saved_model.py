@@ -227,7 +227,8 @@ def load(path, *, batch_sizes=None, precompile: bool = True) -> LoadedModel:
     batch_sizes: the batch sizes requests are padded to, each compiled once
       (:data:`BATCH_SIZES`: 1, 4, 16, 64, 256 and 1024, so that a request
       runs fewer than 4 times its rows); default ``None``: no padding, each
-      batch size compiles a program of its own on first use.
+      batch size compiles a program of its own on first use (a signature
+      keeps the 32 it used last: an older size compiles again).
     precompile: compile each batch size's program now (default), so that no
       request waits for a compilation; ``False``: each on its first use. A
       signature with other named dimensions compiles on first use of each

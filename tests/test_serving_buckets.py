@@ -23,6 +23,7 @@ from oracle import same_bits
 from tower import IDS, Model, predict
 
 import jaxres as jr
+from jaxres._serving import loaded
 
 SIZES = (0, 1, 4, 5, 7, 16, 17, 40)  # batch sizes (1, 4, 16): edges, between, above the largest
 BUCKETS = (1, 4, 16)
@@ -294,3 +295,22 @@ def test_the_tensorflow_savedmodel_compiles_each_batch_size_once(exported, tmp_p
       parts = [out[f"unpadded_{n}_{c}_{name}"][:rows] for c, (_, rows) in enumerate(served[n])]
       same_bits(out[f"{name}_{n}"], np.concatenate(parts))
       np.testing.assert_allclose(out[f"{name}_{n}"], expected[name], rtol=1e-6, atol=1e-7)
+
+
+def test_a_signature_keeps_its_most_recently_used_programs(tmp_path, monkeypatch):
+  """Without batch sizes each request size compiles a program; a signature kept every one for good
+  (300 MB over 150 sizes). It keeps the PROGRAMS_KEPT it used last (here 3): a size that returns
+  after the others pushed it out compiles again, a recent one does not."""
+  monkeypatch.setattr(loaded, "PROGRAMS_KEPT", 3)
+  table = jr.OpenAddressingTable.create(16, key=np.int32, value=np.float32, default=-1.0)
+  table = table.insert(np.arange(4, dtype=np.int32), np.arange(4, dtype=np.float32))
+  ids = jax.ShapeDtypeStruct(("n",), np.int32)
+  signature = jr.saved_model.Signature(lambda t, ids: t.find(ids), ids=ids)
+  jr.saved_model.save(table, tmp_path / "export", {"find": signature})
+  find = jr.saved_model.load(tmp_path / "export").signatures["find"]
+  counts = []
+  with compilations() as compiled:
+    for n in (1, 2, 3, 1, 4, 2, 4, 1):  # kept after each: 1; 1 2; 1 2 3; 2 3 1; 3 1 4; 1 4 2; 1 2 4; ...
+      assert find(ids=np.arange(n, dtype=np.int32))["output"].tolist() == list(map(float, range(n)))
+      counts.append(len(compiled))
+  assert counts == [1, 2, 3, 3, 4, 5, 5, 5]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 from pathlib import Path
 
@@ -10,6 +11,10 @@ import numpy as np
 
 from jaxres._serving import buckets, updates
 from jaxres._serving.signature import Input
+
+# Compiled programs a served signature keeps (the most recently used): where requests are not padded
+# to batch sizes, a program per request size would otherwise be kept for good (2 MB each).
+PROGRAMS_KEPT = 32
 
 
 class LoadedSignature:
@@ -26,7 +31,8 @@ class LoadedSignature:
   it, and the results are cut back: one compiled program per batch
   size serves every request (the padding rows' results dropped). A request
   larger than the largest size runs in chunks of the largest. Other named
-  dimensions compile a program for each size they take.
+  dimensions compile a program for each size they take. A signature keeps
+  the 32 programs it used last; an older size compiles again when it returns.
 
   Attributes:
     name: the signature's name in the model's ``signatures``.
@@ -63,8 +69,9 @@ class LoadedSignature:
     self._max_length = max_length
     self._places = list(places)  # which arrays of the serving state the program takes, in order
     self._state: list = []
-    self._call = jax.jit(exported.call)
-    self._programs: dict[tuple[int, ...], jax.stages.Compiled] = {}  # by the sizes of ``_dims``
+    self._exported = exported
+    # By the sizes of ``_dims``, the most recently used last; at most PROGRAMS_KEPT.
+    self._programs: collections.OrderedDict[tuple[int, ...], jax.stages.Compiled] = collections.OrderedDict()
     self._dims = sorted({d for i in inputs for d in i.dims if isinstance(d, str)})
     self._out_dims = {
       k: [str(d) for d in a.shape] for k, a in zip(self.outputs, exported.out_avals, strict=True)
@@ -141,7 +148,12 @@ class LoadedSignature:
       sizes = dict(zip(self._dims, key))
       state = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in self._state]
       args = [i.traced(sizes, self._max_length) for i in self._inputs]
-      program = self._programs[key] = self._call.lower(state, args).compile()
+      # A jit of its own: JAX's caches keep what they traced, lowered and compiled for a function
+      # while it lives; this one's go with the program when it leaves ``_programs``.
+      program = self._programs[key] = jax.jit(self._exported.call).lower(state, args).compile()
+      if len(self._programs) > PROGRAMS_KEPT:  # the least recently used goes (compiled again if it returns)
+        self._programs.popitem(last=False)
+    self._programs.move_to_end(key)
     return program
 
   def _precompile(self) -> None:
