@@ -563,7 +563,7 @@ SHELL_CALLS = [
     "restore from a file",
     lambda c: c.restore(os.path.join(c.path, "manifest", "metadata")),
     ValueError,
-    "not a jaxres checkpoint",
+    "^path: .*metadata is a file; expected a directory",
   ),
   ("step manager", "save step -1", lambda m: m.save(-1), ValueError, "step"),
   ("step manager", "save step 1.5", lambda m: m.save(1.5), TypeError, "step"),
