@@ -32,6 +32,29 @@ namespace {  // NOLINT(build/namespaces): private to this library's kernel files
 
 namespace ffi = xla::ffi;
 
+// ------------------------------------------------------------ prefetch
+
+// Asks for the cache line of `p` (to read, or to write where `kWrite`). Not __builtin_prefetch
+// alone: GCC's mod-ref analysis (-fipa-modref, on at -O2) takes that builtin as touching no memory,
+// so a helper whose only effect is to prefetch is found free of side effects and its calls are
+// deleted (GCC 12 removed every call of the lean kernels' key-line prefetch, BucketsAhead::FetchKeys).
+// A volatile asm statement is never deleted. On x86 both kinds are prefetcht0, as GCC emits for
+// __builtin_prefetch without -mprfchw.
+template <bool kWrite = false>
+inline void Prefetch(const void* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht0 (%0)" : : "r"(p));
+#elif defined(__aarch64__)
+  if (kWrite) {
+    asm volatile("prfm pstl1keep, [%0]" : : "r"(p));
+  } else {
+    asm volatile("prfm pldl1keep, [%0]" : : "r"(p));
+  }
+#else
+  __builtin_prefetch(p, kWrite);
+#endif
+}
+
 // ------------------------------------------------------------- threads
 
 // Runs body(begin, end) over [0, n) split into equal ranges of at least
@@ -130,12 +153,12 @@ inline void LowestWriter(const std::vector<int64_t>& cells, const std::vector<ch
   constexpr int32_t kFree = INT32_MAX;
   if (static_cast<int64_t>(scratch.size()) < size) scratch.resize(size, kFree);
   for (int64_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) __builtin_prefetch(&scratch[cells[i + kAhead]], 1);
+    if (i + kAhead < n) Prefetch<true>(&scratch[cells[i + kAhead]]);
     if (mask[i]) scratch[cells[i]] = std::min<int32_t>(scratch[cells[i]], i);
   }
   writer.resize(n);
   for (int64_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) __builtin_prefetch(&scratch[cells[i + kAhead]]);
+    if (i + kAhead < n) Prefetch(&scratch[cells[i + kAhead]]);
     writer[i] = std::min<int32_t>(scratch[cells[i]], n - 1);
   }
   for (int64_t i = 0; i < n; ++i) {
@@ -192,8 +215,8 @@ inline void CopyRow(char* to, const char* from, int64_t bytes) {
 }
 
 inline void PrefetchRow(const char* row, int64_t bytes) {
-  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(row + at);
-  __builtin_prefetch(row + bytes - 1);
+  for (int64_t at = 0; at < bytes; at += 64) Prefetch(row + at);
+  Prefetch(row + bytes - 1);
 }
 
 // A value leaf of a lookup: rows are read from `from` (a hit) or `fallback` (a miss: its

@@ -91,7 +91,7 @@ ffi::Error WriteRows(ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::PRED> mask, f
   auto inside = [&](int64_t i) { return write[i] && at[i] >= 0 && at[i] < count; };
   for (int64_t i = 0; i < n; ++i) {
     if (i + kAhead < n && inside(i + kAhead)) {
-      for (const Column& c : columns) __builtin_prefetch(c.to + at[i + kAhead] * c.bytes, 1);
+      for (const Column& c : columns) Prefetch<true>(c.to + at[i + kAhead] * c.bytes);
     }
     if (!inside(i)) continue;
     for (const Column& c : columns) CopyRow(c.to + at[i] * c.bytes, c.from + i * c.bytes, c.bytes);

@@ -36,8 +36,40 @@ inline uint32_t Mix(uint32_t h, uint32_t seed) {
   return h ^ (h >> 16);
 }
 
+// x % d for any 32-bit x and a divisor d > 0 fixed ahead, by two multiplications in place of a
+// division (Lemire, Kaser and Kurz, "Faster remainder by direct computation", 2019): exact.
+class Modulus {
+ public:
+  explicit Modulus(uint32_t d) : m_(~uint64_t{0} / d + 1), d_(d) {}
+  uint32_t Of(uint32_t x) const {
+#if defined(__SIZEOF_INT128__)
+    return static_cast<uint32_t>((static_cast<unsigned __int128>(m_ * x) * d_) >> 64);
+#else
+    return x % d_;
+#endif
+  }
+
+ private:
+  uint64_t m_;
+  uint32_t d_;
+};
+
+// A key row's two buckets and digest (Layout.buckets_of), and the offset in each bucket of its
+// first digest match (-1: none).
+struct Probe {
+  int64_t first, second;
+  uint32_t digest;
+  int64_t from_first, from_second;
+};
+
 // The slots as the kernels read them (a view of the table's arrays).
 struct Slots {
+  Slots(const uint8_t* digests, const uint32_t* keys, const uint32_t* overflow, int64_t num_buckets,
+        int64_t bucket_size, int64_t num_words)
+      : digests(digests), keys(keys), overflow(overflow), num_buckets(num_buckets), bucket_size(bucket_size),
+        num_words(num_words), buckets_(static_cast<uint32_t>(num_buckets)),
+        others_(static_cast<uint32_t>(std::max<int64_t>(num_buckets - 1, 1))) {}
+
   const uint8_t* digests;  // a digest byte per slot (little-endian: byte k of word j is slot 4 j + k)
   const uint32_t* keys;    // [num_slots, num_words]
   const uint32_t* overflow;  // [num_buckets]
@@ -46,32 +78,47 @@ struct Slots {
   // Layout.buckets_of: a key's first and second buckets and its digest (1 to 255).
   void BucketsOf(const uint32_t* w, int64_t* first, int64_t* second, uint32_t* digest) const {
     const uint32_t h = HashWords(w, num_words, kBucketSeed), top = h >> 24;
-    const uint32_t nb = static_cast<uint32_t>(num_buckets);
-    *first = h % nb;
+    *first = buckets_.Of(h);
     *digest = top + (top == 0);
-    *second = nb == 1 ? *first : (*first + 1 + Mix(h, kLeanSecondBucketSeed) % (nb - 1)) % nb;
+    if (num_buckets == 1) {
+      *second = *first;
+    } else {  // first + 1 + other < 2 num_buckets: one subtraction is the last `% num_buckets`
+      const int64_t at = *first + 1 + others_.Of(Mix(h, kLeanSecondBucketSeed));
+      *second = at >= num_buckets ? at - num_buckets : at;
+    }
   }
 
-  void Prefetch(int64_t bucket) const {
+  void FetchBucket(int64_t bucket) const {
     const uint8_t* line = digests + bucket * bucket_size;
-    for (int64_t at = 0; at < bucket_size; at += 64) __builtin_prefetch(line + at);
+    for (int64_t at = 0; at < bucket_size; at += 64) Prefetch(line + at);
   }
 
-  // The first slot of `bucket` whose digest is `digest`, or -1.
+  // Where in `bucket` the first slot whose digest is `digest` sits (0 to bucket_size - 1), or -1.
   int64_t FirstMatch(int64_t bucket, uint32_t digest) const {
     const uint8_t* line = digests + bucket * bucket_size;
-    for (int64_t at = 0; at < bucket_size; ++at) {
-      if (line[at] == digest) return bucket * bucket_size + at;
+    int64_t at = 0;
+#if defined(__SSE2__)
+    const __m128i d = _mm_set1_epi8(static_cast<char>(digest));
+    for (; at + 16 <= bucket_size; at += 16) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(line + at));
+      const uint32_t m = _mm_movemask_epi8(_mm_cmpeq_epi8(bytes, d));
+      if (m) return at + __builtin_ctz(m);
+    }
+#endif
+    for (; at < bucket_size; ++at) {
+      if (line[at] == digest) return at;
     }
     return -1;
   }
 
   // The slot of `bucket` that holds key `w` (its digest `digest`), or -1: the slots whose digest
-  // matches, in order, their key words compared.
-  int64_t Find(int64_t bucket, const uint32_t* w, uint32_t digest) const {
+  // matches, in order, their key words compared, from `from` on (no slot before it matches; -1:
+  // none in the bucket does).
+  int64_t Find(int64_t bucket, const uint32_t* w, uint32_t digest, int64_t from = 0) const {
+    if (from < 0) return -1;
     const int64_t base = bucket * bucket_size;
     const uint8_t* line = digests + base;
-    int64_t at = 0;
+    int64_t at = from;
 #if defined(__SSE2__)
     const __m128i d = _mm_set1_epi8(static_cast<char>(digest));
     for (; at + 16 <= bucket_size; at += 16) {
@@ -89,10 +136,13 @@ struct Slots {
   }
 
   // probing.locate for one key row: true if present, with its slot; for a miss, the first slot of
-  // its first bucket. `first`, `second`, `digest`: Layout.buckets_of of the row.
-  bool Locate(const uint32_t* w, int64_t first, int64_t second, uint32_t digest, int32_t* out) const {
-    int64_t slot = Find(first, w, digest);
-    if (slot < 0 && second != first) slot = Find(second, w, digest);
+  // its first bucket. `probe`: the row's buckets and digest (Layout.buckets_of), and where each
+  // bucket's first digest match sits.
+  bool Locate(const uint32_t* w, const Probe& probe, int32_t* out) const {
+    const int64_t first = probe.first, second = probe.second;
+    const uint32_t digest = probe.digest;
+    int64_t slot = Find(first, w, digest, probe.from_first);
+    if (slot < 0 && second != first) slot = Find(second, w, digest, probe.from_second);
     if (__builtin_expect(slot < 0 && overflow[first] > 0, 0)) {
       // On past the first bucket while the bucket reached has overflow (num_buckets steps at most).
       int64_t at = first;
@@ -105,44 +155,47 @@ struct Slots {
     *out = static_cast<int32_t>(slot < 0 ? first * bucket_size : slot);
     return slot >= 0;
   }
+
+ private:
+  Modulus buckets_, others_;  // num_buckets, and num_buckets - 1 (the second bucket's offset)
 };
 
-// The buckets of `n` key rows `w`, hashed and their digest lines prefetched kAhead rows before the
-// search reads them (in a ring, so the hashing overlaps the memory reads it waits for), then the
-// key words of the first digest match of each bucket kLate rows before it.
+// The probes of `n` key rows `w`, in a ring: each row hashed and its buckets' digest lines
+// prefetched kAhead rows before its search (so the hashing overlaps the memory reads it waits for),
+// then kLate rows before it each bucket's first digest match found and the key words of that
+// slot prefetched (the search starts at that match).
 class BucketsAhead {
  public:
   BucketsAhead(const Slots& t, const uint32_t* w, int64_t n) : t_(t), w_(w), n_(n) {
     for (int64_t k = 0; k < std::min(n, kAhead); ++k) Fetch(k);
+    for (int64_t k = 0; k < std::min(n, kLate); ++k) FetchKeys(k);
   }
-  // Row k's buckets and digest; fetches row k + kAhead's.
-  void Next(int64_t k, int64_t* first, int64_t* second, uint32_t* digest) {
+  // Row k's probe; fetches the digest lines of row k + kAhead and the keys of row k + kLate.
+  const Probe& Next(int64_t k) {
     if (k + kAhead < n_) Fetch(k + kAhead);
     if (k + kLate < n_) FetchKeys(k + kLate);
-    *first = first_[k % kRing];
-    *second = second_[k % kRing];
-    *digest = digest_[k % kRing];
+    return ring_[k % kRing];
   }
 
  private:
   static constexpr int64_t kRing = 2 * kAhead, kLate = kAhead / 2;
   void Fetch(int64_t k) {
-    const int64_t r = k % kRing;
-    t_.BucketsOf(w_ + k * t_.num_words, &first_[r], &second_[r], &digest_[r]);
-    t_.Prefetch(first_[r]);
-    t_.Prefetch(second_[r]);
+    Probe& p = ring_[k % kRing];
+    t_.BucketsOf(w_ + k * t_.num_words, &p.first, &p.second, &p.digest);
+    t_.FetchBucket(p.first);
+    t_.FetchBucket(p.second);
   }
   void FetchKeys(int64_t k) {
-    const int64_t r = k % kRing;
-    for (int64_t bucket : {first_[r], second_[r]}) {
-      const int64_t slot = t_.FirstMatch(bucket, digest_[r]);
-      if (slot >= 0) __builtin_prefetch(t_.keys + slot * t_.num_words);
-    }
+    Probe& p = ring_[k % kRing];
+    p.from_first = t_.FirstMatch(p.first, p.digest);
+    if (p.from_first >= 0) Prefetch(t_.keys + (p.first * t_.bucket_size + p.from_first) * t_.num_words);
+    p.from_second = p.second == p.first ? p.from_first : t_.FirstMatch(p.second, p.digest);
+    if (p.from_second >= 0) Prefetch(t_.keys + (p.second * t_.bucket_size + p.from_second) * t_.num_words);
   }
   const Slots& t_;
   const uint32_t* w_;
-  int64_t n_, first_[kRing], second_[kRing];
-  uint32_t digest_[kRing];
+  int64_t n_;
+  Probe ring_[kRing];
 };
 
 Slots View(const ffi::Buffer<ffi::U32>& digests, const ffi::Buffer<ffi::U32>& keys,
@@ -161,11 +214,8 @@ ffi::Error Locate(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> digests, ffi::Buff
   ParallelFor(pool, words.dimensions()[0], kGrain, 1, [&](int64_t begin, int64_t end) {
     const uint32_t* w = words.typed_data() + begin * W;
     BucketsAhead ahead(t, w, end - begin);
-    int64_t first, second;
-    uint32_t digest;
     for (int64_t k = 0; k < end - begin; ++k) {
-      ahead.Next(k, &first, &second, &digest);
-      found->typed_data()[begin + k] = t.Locate(w + k * W, first, second, digest, slot->typed_data() + begin + k);
+      found->typed_data()[begin + k] = t.Locate(w + k * W, ahead.Next(k), slot->typed_data() + begin + k);
     }
   });
   return ffi::Error::Success();
@@ -181,8 +231,6 @@ void LookupRows(const Slots& t, const uint32_t* w, int64_t begin, int64_t end, c
   const int64_t len = end - begin, num_columns = kBytes > 0 ? 1 : columns.size();
   BucketsAhead ahead(t, w + begin * t.num_words, len);
   int32_t slot[kLag];  // the slots (value rows) of the last kLag rows searched
-  int64_t first, second;
-  uint32_t digest;
   for (int64_t k = 0; k < len + kLag; ++k) {
     if (k >= kLag) {
       const int64_t i = begin + k - kLag;
@@ -190,11 +238,10 @@ void LookupRows(const Slots& t, const uint32_t* w, int64_t begin, int64_t end, c
     }
     if (k < len) {
       const int64_t i = begin + k;
-      ahead.Next(k, &first, &second, &digest);
-      hit[i] = t.Locate(w + i * t.num_words, first, second, digest, &slot[k % kLag]);
+      hit[i] = t.Locate(w + i * t.num_words, ahead.Next(k), &slot[k % kLag]);
       for (int64_t c = 0; c < num_columns; ++c) {
         if (kBytes > 0) {  // 4 or 8 bytes: within one cache line
-          __builtin_prefetch(columns[c].from + slot[k % kLag] * kBytes);
+          Prefetch(columns[c].from + slot[k % kLag] * kBytes);
         } else {
           PrefetchRow(columns[c].from + slot[k % kLag] * columns[c].bytes, columns[c].bytes);
         }
@@ -443,12 +490,7 @@ ffi::Error Upsert(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> digests_in, ffi::B
   ParallelFor(pool, n, kGrain, 1, [&](int64_t begin, int64_t end) {  // reads alone
     const uint32_t* w = words + begin * W;
     BucketsAhead ahead(view, w, end - begin);
-    int64_t a, b;
-    uint32_t digest;
-    for (int64_t k = 0; k < end - begin; ++k) {
-      ahead.Next(k, &a, &b, &digest);
-      found[begin + k] = view.Locate(w + k * W, a, b, digest, slot + begin + k);
-    }
+    for (int64_t k = 0; k < end - begin; ++k) found[begin + k] = view.Locate(w + k * W, ahead.Next(k), slot + begin + k);
   });
   std::unique_ptr<bool[]> is_new(new bool[n]);
   for (int64_t i = 0; i < n; ++i) is_new[i] = active[i] && !found[i];

@@ -154,8 +154,8 @@ struct Buckets : Shape<kWords, kSlots> {
   void prefetch(int64_t b) const {
     const uint32_t* first = record(b);
     const uint32_t* last = first + bucket_size * (num_words + 1) + 1;
-    __builtin_prefetch(first);
-    if ((reinterpret_cast<uintptr_t>(first) ^ reinterpret_cast<uintptr_t>(last)) >> 6) __builtin_prefetch(last);
+    Prefetch(first);
+    if ((reinterpret_cast<uintptr_t>(first) ^ reinterpret_cast<uintptr_t>(last)) >> 6) Prefetch(last);
   }
 };
 
@@ -262,7 +262,7 @@ void LookupRows(const Table& t, const uint32_t* w, int64_t begin, int64_t end, c
       hit[i] = Probe(t, w + i * t.num_words, homes.Next(k), &slot, &row[k % kLag]);
       for (int64_t c = 0; c < num_columns; ++c) {
         if (kBytes > 0) {  // 4 or 8 bytes: within one cache line
-          __builtin_prefetch(columns[c].from + row[k % kLag] * kBytes);
+          Prefetch(columns[c].from + row[k % kLag] * kBytes);
         } else {
           PrefetchRow(columns[c].from + row[k % kLag] * columns[c].bytes, columns[c].bytes);
         }
@@ -468,7 +468,7 @@ ffi::Error Upsert(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> records_in, ffi::B
     for (int64_t j = 0; j < num_claimants; ++j) {
       if (j + kAhead < num_claimants && candidate[claimants[j + kAhead]] >= 0) {
         t.prefetch(home[claimants[j + kAhead]]);
-        __builtin_prefetch(&scratch[cell[claimants[j + kAhead]]], 1);
+        Prefetch<true>(&scratch[cell[claimants[j + kAhead]]]);
       }
       if (candidate[claimants[j]] >= 0) claim(claimants[j]);
     }
@@ -739,7 +739,7 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
     const auto fetch_candidates = [&](int64_t i) {  // each run's first line and those it starts
       for_each_run(i, [&](int64_t a, int64_t len) {
         for (int64_t b = a; b < a + len; ++b) {
-          if (b == a || (b * stride) % 16 == 0) __builtin_prefetch(per_bucket + b * stride);
+          if (b == a || (b * stride) % 16 == 0) Prefetch(per_bucket + b * stride);
         }
       });
     };
@@ -798,7 +798,7 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
         int64_t at = home[i];
         for_each_run(i, [&](int64_t a, int64_t len) { lower_in(floors, a, len, best, at); });
         lowest_bucket[p] = at;
-        __builtin_prefetch(scores + at * size);
+        Prefetch(scores + at * size);
       }
       // Pass 2, floors kept: the first lowest slot of that bucket; if the call names its entry, a scan.
       for (int64_t p = 0; p < live && with_floors; ++p) {
@@ -816,7 +816,7 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> records_in, ffi::Buffer<ffi::U32> scores_
       // window with room, else the victim's if it is in that window.
       const auto fetch_home = [&](int64_t i) {
         t.prefetch(home[i]);
-        __builtin_prefetch(scores + home[i] * size);
+        Prefetch(scores + home[i] * size);
       };
       for (int64_t p = 0; p < std::min<int64_t>(kHomesAhead, live); ++p) fetch_home(rows[p]);
       for (int64_t p = 0; p < live; ++p) {

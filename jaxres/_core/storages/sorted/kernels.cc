@@ -23,7 +23,7 @@ void LowerBounds(const uint32_t* keys, int64_t W, int64_t len, int64_t m, int64_
     const int64_t half = left / 2, next_half = (left - half) / 2;
     for (int64_t g = 0; g < m; ++g) {
       base[g] += less(g, base[g] + half) ? half : 0;
-      __builtin_prefetch(keys + (base[g] + next_half) * W);
+      Prefetch(keys + (base[g] + next_half) * W);
     }
   }
   for (int64_t g = 0; g < m; ++g) base[g] += len > 0 && less(g, base[g]) ? 1 : 0;
