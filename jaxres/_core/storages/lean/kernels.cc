@@ -514,24 +514,48 @@ ffi::Error Upsert(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> digests_in, ffi::B
   return ffi::Error::Success();
 }
 
+// The first slot of lowest score among `size` slots from `base` (its score in `*low`).
+inline int64_t LowestIn(const uint32_t* scores, int64_t base, int64_t size, uint32_t* low) {
+  const uint32_t* s = scores + base;
+  uint32_t least = UINT32_MAX;
+  int64_t at = 0;
+#if defined(__SSE2__)
+  // The minimum four lanes at a time (SSE2 compares signed words: both sides' sign bits flipped),
+  // then the first slot that holds it.
+  const __m128i flip = _mm_set1_epi32(INT32_MIN);
+  __m128i lanes = _mm_set1_epi32(INT32_MAX);  // UINT32_MAX, flipped
+  for (; at + 4 <= size; at += 4) {
+    const __m128i v = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + at)), flip);
+    const __m128i lower = _mm_cmpgt_epi32(lanes, v);
+    lanes = _mm_or_si128(_mm_and_si128(lower, v), _mm_andnot_si128(lower, lanes));
+  }
+  alignas(16) uint32_t lane[4];
+  _mm_store_si128(reinterpret_cast<__m128i*>(lane), _mm_xor_si128(lanes, flip));
+  least = std::min(std::min(lane[0], lane[1]), std::min(lane[2], lane[3]));
+#endif
+  for (int64_t rest = at; rest < size; ++rest) least = std::min(least, s[rest]);
+  *low = least;
+  at = 0;
+#if defined(__SSE2__)
+  const __m128i target = _mm_set1_epi32(static_cast<int32_t>(least));
+  for (; at + 4 <= size; at += 4) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + at));
+    const int m = _mm_movemask_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(v, target)));
+    if (m) return base + at + __builtin_ctz(m);
+  }
+#endif
+  for (; s[at] != least; ++at) {
+  }
+  return base + at;
+}
+
 // eviction._lowest: the first slot of lowest score in buckets `a` then `b` (a tie goes to `a`).
 inline int64_t Lowest(const uint32_t* scores, int64_t a, int64_t b, int64_t bucket_size, uint32_t* score) {
-  int64_t best[2];
-  uint32_t low[2];
-  for (int k = 0; k < 2; ++k) {
-    const int64_t base = (k ? b : a) * bucket_size;
-    best[k] = base;
-    low[k] = scores[base];
-    for (int64_t at = 1; at < bucket_size; ++at) {
-      if (scores[base + at] < low[k]) {
-        low[k] = scores[base + at];
-        best[k] = base + at;
-      }
-    }
-  }
-  const int k = low[1] < low[0];
-  *score = low[k];
-  return best[k];
+  uint32_t low_a, low_b;
+  const int64_t best_a = LowestIn(scores, a * bucket_size, bucket_size, &low_a);
+  const int64_t best_b = LowestIn(scores, b * bucket_size, bucket_size, &low_b);
+  *score = low_b < low_a ? low_b : low_a;
+  return low_b < low_a ? best_b : best_a;
 }
 
 // eviction.evict: the keys of the `pending` rows (distinct new keys of a full table) take the slot
@@ -598,6 +622,11 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> digests_in, ffi::Buffer<ffi::U32> keys_in
     low.resize(r);
     for (int64_t p = 0; p < r; ++p) {
       const int64_t i = queue[p];
+      if (p + kAhead < r) {  // the scores of both buckets of the row kAhead on
+        const int64_t ahead = queue[p + kAhead], bytes = bucket_size * sizeof(uint32_t);
+        PrefetchRow(reinterpret_cast<const char*>(scores + first[ahead] * bucket_size), bytes);
+        PrefetchRow(reinterpret_cast<const char*>(scores + second[ahead] * bucket_size), bytes);
+      }
       const int64_t victim = Lowest(scores, first[i], second[i], bucket_size, &low[p]);
       candidate[p] = low[p] < new_score[i] ? victim : -1;
     }
