@@ -8,8 +8,10 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from children import progress
 
 import jaxres as jr
+from jaxres._tracking import orbax_io
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -140,3 +142,92 @@ def test_inspect_checkpoint_lists_the_graph_without_loading(tmp_path):
     "arrays": [],
   }
   assert entries["model/step"]["arrays"] == [{"name": "value", "shape": [], "dtype": "int32"}]
+
+
+_TRAINER = textwrap.dedent(
+  """
+  import sys
+  import jax.numpy as jnp, numpy as np
+  import jaxres as jr
+
+  root = jr.AutoTrackable()
+  root.table = jr.MutableHashTable(np.int64, np.float32, default_value=-1.0, initial_capacity=64)
+  manager = jr.CheckpointManager(sys.argv[1], jr.Checkpoint(model=root), max_to_keep=2)
+  for step in range(int(sys.argv[2])):
+    root.step = jnp.array(step)
+    root.table.insert(np.arange(32), np.full(32, step, np.float32))
+    manager.save(step)
+    manager.wait_until_finished()  # committed, and the steps below the two newest pruned
+    print("saved", step, flush=True)
+  manager.close()
+  """
+)
+
+
+def test_a_reading_manager_sees_the_steps_another_process_saves_and_prunes(tmp_path):
+  """Before: a manager made when steps [0, 1] existed kept that list: latest_step() stayed 1 while a
+  trainer in another process saved 2.., restore(5) said 5 was not saved, and restore() read the pruned
+  step 1 as "corrupted"."""
+  steps = 12
+  root = jr.AutoTrackable()
+  root.table = jr.MutableHashTable(np.int64, np.float32, default_value=-1.0, initial_capacity=64)
+  root.step = jnp.array(-1)
+  reader, restored = None, []
+  command = [sys.executable, "-c", _TRAINER, str(tmp_path), str(steps)]
+  with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True) as trainer:
+    for _, saved in progress(trainer.stdout):
+      if saved < 1:
+        continue
+      if reader is None:  # made when steps [0, 1] exist
+        reader = jr.CheckpointManager(tmp_path, jr.Checkpoint(model=root))
+      assert reader.latest_step() >= saved  # committed before the trainer said so; steps only go up
+      reader.restore()  # the latest, or a newer one where the trainer prunes it meanwhile
+      step = int(root.step)
+      assert step >= saved
+      _, values = root.table.export()
+      assert values.tolist() == [float(step)] * 32, "the arrays of the step the manifest names"
+      restored.append(step)
+  assert trainer.returncode == 0
+  assert reader.all_steps() == [steps - 2, steps - 1]
+  reader.restore(steps - 1).assert_consumed()
+  assert int(root.step) == steps - 1 and len(restored) == steps - 1
+  with pytest.raises(ValueError, match=r"step: 3 is not among the saved steps \[10, 11\]"):
+    reader.restore(3)
+  reader.close()
+  assert reader.all_steps() == [steps - 2, steps - 1], "a reader deletes nothing"
+
+
+@pytest.mark.parametrize("asked", [None, 1])
+def test_a_step_pruned_while_a_reader_reads_it(tmp_path, monkeypatch, asked):
+  """The writer prunes the step a reader listed before the reader opens it: the latest is read again,
+  and a step asked for by number is said to be deleted (never "corrupted")."""
+  root = jr.AutoTrackable()
+  root.step = jnp.array(0)
+  writer = jr.CheckpointManager(tmp_path, jr.Checkpoint(model=root), max_to_keep=2)
+  for step in (0, 1):
+    root.step = jnp.array(step)
+    writer.save(step)
+  writer.wait_until_finished()
+  copy = jr.AutoTrackable()
+  copy.step = jnp.array(-1)
+  reader = jr.CheckpointManager(tmp_path, jr.Checkpoint(model=copy))
+  load = orbax_io.StepStore.load
+
+  def load_after_the_writer_prunes(store, step, check):
+    if writer.latest_step() == 1:
+      for later in (2, 3):
+        root.step = jnp.array(later)
+        writer.save(later)
+      writer.wait_until_finished()  # steps 0 and 1 deleted
+    return load(store, step, check)
+
+  monkeypatch.setattr(orbax_io.StepStore, "load", load_after_the_writer_prunes)
+  if asked is None:
+    reader.restore().assert_consumed()
+    assert int(copy.step) == 3
+  else:
+    with pytest.raises(ValueError, match=r"step: 1 was deleted by another manager .* now \[2, 3\]"):
+      reader.restore(asked)
+    assert int(copy.step) == -1
+  reader.close()
+  writer.close()

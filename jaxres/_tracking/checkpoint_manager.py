@@ -97,6 +97,7 @@ class CheckpointManager:
   """
 
   FULL_EVERY = 16  # incremental saves: by default every 16th is whole (a restore reads at most 16 steps)
+  READ_ATTEMPTS = 8  # restore(): how many latest steps a reader tries while a writer prunes them
 
   def __init__(
     self,
@@ -188,21 +189,43 @@ class CheckpointManager:
     An incremental step is read with the steps it needs, into exactly the
     state a whole save would have restored.
 
+    A manager that only reads lists the steps from the directory first (see
+    :meth:`all_steps`); where a writing manager of another process prunes the
+    latest step while it is read, the newest step is read instead.
+
     Raises:
-      ValueError: there is no such step, or the checkpoint is unreadable or
-        of another structure (see :meth:`Checkpoint.restore`).
+      ValueError: there is no such step (or another manager deleted it while it
+        was read), or the checkpoint is unreadable or of another structure (see
+        :meth:`Checkpoint.restore`).
     """
-    steps = self.all_steps()
-    if step is None:
-      if not steps:
+    requested = step
+    for attempt in range(self.READ_ATTEMPTS):
+      steps = self.all_steps()
+      if requested is None and not steps:
         raise ValueError(f"{self.directory}: no checkpoint to restore.")
-      step = steps[-1]
-    if step not in steps:
-      raise ValueError(f"step: {step} is not among the saved steps {steps}.")
-    check = functools.partial(manifest.check, incremental=True)
-    contents, arrays = increments.materialize(step, lambda s: self._store.load(s, check), self._store.path)
+      step = steps[-1] if requested is None else requested
+      if step not in steps:
+        raise ValueError(f"step: {step} is not among the saved steps {steps}.")
+      try:
+        contents, arrays = self._read(step)
+        break
+      except ValueError as err:
+        # Another process's manager may have pruned the step since it was listed: then the latest
+        # step is read again (a step asked for by number is gone, and said so).
+        now = self._store.all_steps(reload=not self._saved)
+        if step in now:
+          raise
+        if requested is not None or attempt + 1 == self.READ_ATTEMPTS:
+          raise ValueError(
+            f"step: {step} was deleted by another manager while it was read (the saved steps are now {now})."
+          ) from err
     self._written = None  # the objects now hold another state than the step written last
-    return restoring.restore(self.checkpoint.root, manifest.Reader(contents, arrays, self.step_path(step)))
+    return restoring.restore(self.checkpoint.root, manifest.Reader(contents, arrays, self._store.path(step)))
+
+  def _read(self, step: int) -> tuple[dict, dict]:
+    """``(contents, arrays)`` of ``step``, with the steps it needs."""
+    check = functools.partial(manifest.check, incremental=True)
+    return increments.materialize(step, lambda s: self._store.load(s, check), self._store.path)
 
   def step_path(self, step: int) -> str:
     """The directory of ``step`` (which ``jr.inspect_checkpoint`` opens).
@@ -220,9 +243,14 @@ class CheckpointManager:
     return steps[-1] if steps else None
 
   def all_steps(self) -> list[int]:
-    """The complete steps, oldest first."""
+    """The complete steps, oldest first.
+
+    A manager that has not saved lists them from the directory at each call, so
+    a reader (an evaluator beside a trainer in another process) sees the steps
+    the writer saves and prunes.
+    """
     self._settle()
-    return self._store.all_steps()
+    return self._store.all_steps(reload=not self._saved)
 
   def wait_until_finished(self) -> None:
     """Blocks until every asynchronous save has been written."""

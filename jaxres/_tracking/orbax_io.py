@@ -198,6 +198,10 @@ def _intact(value: np.ndarray | Blocks, crc32: int | list[int]) -> bool:
   return len(crc32) == value.shape[0] and all(_checksum(row) == crc32[i] for i, row in rows)
 
 
+_STEP_NAMES = ocp.path.step.standard_name_format()  # how Orbax's manager names the step directories
+_LISTING_ATTEMPTS = 8
+
+
 class StepStore:
   """Numbered checkpoints in one directory, on Orbax's ``CheckpointManager``.
 
@@ -240,9 +244,19 @@ class StepStore:
         ) from err
     return manifest, _fill(label, specs, restored)
 
-  def all_steps(self) -> list[int]:
+  def all_steps(self, reload: bool = False) -> list[int]:
+    """The committed steps; ``reload``: listed from the directory (Orbax's manager keeps the list it
+    read last, which another process's saves and deletions leave behind)."""
     self.wait()
-    return sorted(self._manager.all_steps())
+    if not reload:
+      return sorted(self._manager.all_steps())
+    directory = self._manager.directory
+    for _ in range(_LISTING_ATTEMPTS):
+      try:
+        return sorted(step.step for step in _STEP_NAMES.find_all(directory)) if directory.exists() else []
+      except FileNotFoundError:  # a step another process deleted while it was listed: list again
+        continue
+    raise OSError(f"{directory}: steps kept being deleted while they were listed; try again.")
 
   def delete(self, step: int) -> None:
     self._manager.delete(step)
