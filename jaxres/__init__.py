@@ -27,6 +27,7 @@ from jaxres._nn.collection import EmbeddingCollection as EmbeddingCollection
 from jaxres._nn.collection import FeatureConfig as FeatureConfig
 from jaxres._nn.collection import TableConfig as TableConfig
 from jaxres._nn.embedding import DynamicEmbedding as DynamicEmbedding
+from jaxres._nn.row_gradients import InferenceModeWarning as InferenceModeWarning
 from jaxres._nn.row_gradients import grad as grad
 from jaxres._nn.row_gradients import value_and_grad as value_and_grad
 from jaxres._shell.donation import TableCopyWarning as TableCopyWarning
@@ -59,6 +60,7 @@ __all__ = [
   "EmbeddingCollection",
   "Evicted",
   "FeatureConfig",
+  "InferenceModeWarning",
   "KeyValueInitializer",
   "KeysLostError",
   "LoadStatus",

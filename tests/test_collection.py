@@ -393,6 +393,22 @@ _BAD_CALLS = {
     TypeError,
     r"inputs\['bag'\] weights",
   ),
+  # Before issue 68: pooled as if aligned, a wrong model trained in silence.
+  "one id a example, a batch short": (
+    lambda b: {**b, "item": b["item"][:-1]},
+    ValueError,
+    r"the same examples, but inputs\['bag'\] has a batch of 4 and inputs\['item'\] of 3",
+  ),
+  "padded and weighted, a batch long": (
+    lambda b: {"history": b["history"], "bag": tuple(np.concatenate([x, x[:1]]) for x in b["bag"])},
+    ValueError,
+    r"inputs\['bag'\] has a batch of 5 and inputs\['history'\] of 4",
+  ),
+  "weighted single ids, a batch short": (
+    lambda b: {"item": b["item"], "user": tuple(x[:-1] for x in b["user"])},
+    ValueError,
+    r"inputs\['item'\] has a batch of 4 and inputs\['user'\] of 3",
+  ),
 }
 
 
@@ -537,7 +553,7 @@ def test_print_of_a_model_shows_each_embedding_on_a_line_without_its_internals()
   """Before: print(model) gave 99 lines (5,284 characters) with the row optimizer's functions, tree
   structure and state shapes, and every variable of every table."""
   model = _Tower()
-  ids, items, history, users = POOL[:3], POOL[3:5], POOL[3:9].reshape(2, 3), POOL[[9, 9, 10]]
+  ids, items, history, users = POOL[:3], POOL[3:5], POOL[3:9].reshape(2, 3), POOL[[9, 9]]
   model.emb(ids)
   weights = np.array([[1, 1, 0], [1, 0, 0]], np.float32)
   model.coll({"item": items, "history": (history, weights), "user": users})

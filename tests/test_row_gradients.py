@@ -6,6 +6,7 @@ checks against NumPy: both must leave the same model, bit for bit.
 """
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -175,8 +176,50 @@ def test_inference_mode_is_neither_refused_nor_trained():
   model.eval()
   before = _state_bytes(model)
   loss, _ = nnx.value_and_grad(lambda m: jnp.sum(m(POOL[:6])))(model)  # a pure read: no rows to train
-  loss_too, _ = jr.value_and_grad(lambda m: jnp.sum(m(POOL[:6])))(model)
+  with pytest.warns(jr.InferenceModeWarning, match=r"every embedding <lambda> looked up is in inference"):
+    loss_too, _ = jr.value_and_grad(lambda m: jnp.sum(m(POOL[:6])))(model)
   assert float(loss) == float(loss_too) and _state_bytes(model) == before
+
+
+def test_a_step_left_in_eval_mode_warns_once_per_compile():
+  """Before issue 68: a model left in eval() trained no row, and nothing said so."""
+  model = Tower()
+  optimizer = nnx.Optimizer(model, SGD, wrt=nnx.Param)
+  batches = _batches(3, 3)
+  model.eval()
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for ids, labels, weights in batches:  # one shape: one compile
+      plain_step(model, optimizer, jr.keys.split64(ids), labels, weights)
+    ids, labels, weights = batches[0]
+    plain_step(model, optimizer, jr.keys.split64(ids[:4]), labels[:4], weights[:4])  # a second
+  assert [w.category for w in caught] == [jr.InferenceModeWarning] * 2, [str(w.message) for w in caught]
+  assert "call model.train()" in str(caught[0].message)
+  assert model.emb.size() == 0, "no row was given or trained"
+  model.train()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    plain_step(model, optimizer, jr.keys.split64(ids), labels, weights)
+  assert model.emb.size() > 0
+
+
+class _TwoTowers(nnx.Module):
+  def __init__(self):
+    self.trained, self.frozen = Tower(), Tower()
+
+  def __call__(self, ids):
+    return self.trained(ids) + self.frozen(ids)
+
+
+def test_a_step_training_one_embedding_and_reading_another_is_quiet():
+  model = _TwoTowers()
+  model.frozen.emb(POOL[:6])
+  model.frozen.eval()
+  frozen = _state_bytes(model.frozen)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jr.value_and_grad(lambda m: jnp.sum(m(POOL[:6]) ** 2))(model)
+  assert model.trained.emb.size() == 6 and _state_bytes(model.frozen) == frozen
 
 
 def test_an_embedding_the_arguments_do_not_reach_is_named():

@@ -159,6 +159,12 @@ def test_the_collection_takes_string_tables():
     jitted.encode({"word": np.array([1, 2])})
   with pytest.raises(ValueError, match="unknown features"):
     jitted.encode({"nope": ["a"]})
+  short = {**inputs, "word": inputs["word"][:1]}  # string ids of one example for two (issue 68)
+  batches = r"inputs\['item'\] has a batch of 2 and inputs\['word'\] of 1"
+  with pytest.raises(ValueError, match=batches):
+    eager(short)
+  with pytest.raises(ValueError, match=batches):
+    nnx.jit(lambda m, b: m(b))(jitted, jitted.encode(short))
 
 
 def test_checkpoints_round_trip_string_ids(tmp_path):

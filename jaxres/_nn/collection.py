@@ -211,10 +211,12 @@ class EmbeddingCollection(nnx.Module):
     Raises:
       TypeError, ValueError: an unknown feature, ids of a dtype the table
         does not take or of another rank, weights of another shape or
-        negative (the message names the feature; nothing is looked up).
+        negative, features of different batch sizes (the message names the
+        features; nothing is looked up).
     """
     self._check_features(inputs)
     looked_up = {name: self._parse(name, inputs[name]) for name in sorted(inputs)}  # all checked first
+    _check_one_batch(looked_up)
     rows = {}
     for table_name, table in self.tables.items():
       names = [name for name in looked_up if self.features[name].table == table_name]
@@ -352,6 +354,18 @@ class _Feature:
   @property
   def size(self) -> int:
     return self.words.shape[0]
+
+
+def _check_one_batch(features: dict[str, _Feature]) -> None:
+  """The features of one call are rows of the same examples: their batches must agree."""
+  sizes = {name: feature.batch[0] for name, feature in features.items()}
+  first = next(iter(sizes), None)
+  for name, size in sizes.items():
+    if size != sizes[first]:
+      raise ValueError(
+        f"inputs: the features of one call are the same examples, but inputs[{first!r}] has a batch of "
+        f"{sizes[first]} and inputs[{name!r}] of {size}."
+      )
 
 
 def _named(given, argument: str, kind: type, conflict: Callable[[Any, Any], str]) -> dict:

@@ -352,6 +352,8 @@ class DynamicEmbedding(nnx.Module):
     table = self.table.get_value()
     shared = None if self.shared is None else self.shared.get_value()
     if self.deterministic:
+      if (tape := row_gradients.active()) is not None:
+        tape.note_inference()
       return embedding_steps.read(table, shared, words, valid)
     if not words.shape[0]:
       return jnp.zeros((0, self.features), jnp.float32)

@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import inspect
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -68,6 +69,11 @@ class Tape:
     self.keys: list[tuple] = []  # (path, n-th lookup of that embedding), in lookup order
     self.shapes: list[jax.ShapeDtypeStruct] = []
     self.lookups: list[Lookup] = []
+    self.inference_lookups = 0  # lookups of embeddings in inference mode (read only, not recorded)
+
+  def note_inference(self) -> None:
+    """Counts a lookup made in inference mode (its rows take no step)."""
+    self.inference_lookups += 1
 
   def admit(self, embedding: TakesRowSteps) -> None:
     """Raises ``ValueError`` before ``embedding`` changes if it is not reachable from the arguments."""
@@ -107,6 +113,31 @@ _CHANGED = (
   "jr.value_and_grad: the function looked up other embeddings, or rows of other shapes, when it was "
   "differentiated than when it was traced to find its lookups; its lookups must depend on the shapes "
   "of its arguments alone."
+)
+
+
+class InferenceModeWarning(UserWarning):
+  """``jr.value_and_grad`` (or ``jr.grad``) differentiated a function whose every embedding looked
+  up in inference mode: no row is trained, which is almost always a forgotten ``model.train()``
+  after an evaluation. Given once each time the function is traced (under ``nnx.jit``, once per
+  compiled step).
+
+  Examples:
+    >>> import warnings, jax.numpy as jnp, numpy as np, optax, jaxres as jr
+    >>> from flax import nnx
+    >>> emb = jr.DynamicEmbedding(16, 2, optimizer=optax.sgd(0.5), rngs=nnx.Rngs(0))
+    >>> emb.eval()
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter("always")
+    ...   _ = jr.grad(lambda emb, ids: jnp.sum(emb(ids)))(emb, np.array([7]))
+    >>> [w.category.__name__ for w in caught]
+    ['InferenceModeWarning']
+  """
+
+
+_ALL_IN_INFERENCE = (
+  "jr.value_and_grad: every embedding {name} looked up is in inference mode (deterministic=True, as "
+  "model.eval() sets it), so no embedding row is trained; call model.train() before training."
 )
 
 _TAPES = threading.local()
@@ -245,6 +276,9 @@ def _with_row_steps(fn: Callable, argnums, has_aux: bool, options: dict, *, retu
       args = bound.args
     found, out = _lookups_of(fn, args)
     if not found.keys:
+      if found.inference_lookups:
+        name = getattr(fn, "__name__", repr(fn))
+        warnings.warn(_ALL_IN_INFERENCE.format(name=name), InferenceModeWarning, stacklevel=2)
       return differentiate(fn, argnums=argnums, has_aux=has_aux, **options)(*args)
     _check_output(fn, out, has_aux)
     positions = _positions(listed, len(args))
