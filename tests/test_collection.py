@@ -579,3 +579,28 @@ def test_print_of_a_model_shows_each_embedding_on_a_line_without_its_internals()
   traced = []
   nnx.jit(lambda m: traced.append(repr(m.emb)))(model)  # inside jit the size is not known
   assert "size=traced" in traced[0]
+
+
+@pytest.mark.parametrize(
+  "options",
+  [{}, {"min_count": 2, "initializer": None}, {"key": str, "max_length": 12, "eviction": jr.LRU()}],
+  ids=["defaults", "admission", "string ids"],
+)
+def test_a_table_config_sizes_itself_to_a_budget(options):
+  """Before issue 68: TableConfig had no capacity_for, and DynamicEmbedding.capacity_for refused the
+  config's own default initializer=None."""
+  budget = 1 << 20
+  capacity = jr.TableConfig.capacity_for(budget, 8, optimizer=SGD, **options)
+  same = {"eviction": jr.LRFU(), **options}  # the config's default eviction, given to the embedding
+  assert capacity == jr.DynamicEmbedding.capacity_for(budget, 8, optimizer=SGD, **same)
+
+  def table_bytes(capacity):
+    config = jr.TableConfig(capacity, 8, optimizer=SGD, **options)
+    collection = jr.EmbeddingCollection({"t": config}, {"f": jr.FeatureConfig("t")}, rngs=nnx.Rngs(0))
+    return sum(collection.tables["t"].memory().values())
+
+  assert table_bytes(capacity) <= budget < table_bytes(capacity + 1)
+  with pytest.raises(TypeError, match="capacity_for: takes no capacity"):
+    jr.TableConfig.capacity_for(budget, 8, optimizer=SGD, capacity=4)
+  with pytest.raises(ValueError, match="min_count"):
+    jr.TableConfig.capacity_for(budget, 8, optimizer=SGD, min_count=0)

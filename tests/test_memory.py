@@ -48,12 +48,33 @@ def test_embedding_memory_sums_to_its_state_before_and_after_a_step(options):
   defaults = 1 if "mesh" not in options else 1 + table.num_shards  # the table's, and each shard's
   assert parts["rows"] == (table.num_rows + defaults) * 4 * 4 >= (64 + 1) * 4 * 4  # rows and defaults
   ids = np.array([3, 2**40 + 3, 3, 9]) if "key" not in options else np.array([3, 7, 3, 9], np.int32)
-  emb(ids)  # keeps the rows it found for apply_gradients: 'other' grows by them
+  assert parts["lookup"] == 0
+  emb(ids)  # keeps the ids and the rows it found for apply_gradients, in 'lookup'
   after = emb.memory()
   assert sum(after.values()) == _held(nnx.state(emb))
-  assert {k: v for k, v in after.items() if k != "other"} == {k: v for k, v in parts.items() if k != "other"}
+  words = 2 if "key" not in options else 1
+  assert after["lookup"] == 4 * (len(ids) * (words + 1) + 1)  # key words and a row an id, the clock
+  assert {**after, "lookup": 0} == parts
   emb.apply_gradients(ids, np.ones((4, 4), np.float32))
   assert emb.memory() == parts
+
+
+@pytest.mark.parametrize("key", [jnp.int64, jnp.int32])
+def test_a_budget_with_room_for_a_lookup_holds_the_module_after_an_eager_lookup(key):
+  """Before issue 68: an eager training lookup with no step after it kept 12 B an id beyond the
+  budget capacity_for had filled ('other' 40 -> 49,196 B after 4,096 ids)."""
+  budget, batch, options = 200_000, 500, dict(optimizer=optax.sgd(0.1), key=key)
+  capacity = jr.DynamicEmbedding.capacity_for(budget, 4, batch=batch, **options)
+  assert capacity < jr.DynamicEmbedding.capacity_for(budget, 4, **options)
+  ids = np.arange(batch, dtype=key)
+  emb = jr.DynamicEmbedding(capacity, 4, rngs=nnx.Rngs(0), **options)
+  emb(ids)
+  assert sum(emb.memory().values()) <= budget
+  larger = jr.DynamicEmbedding(capacity + 1, 4, rngs=nnx.Rngs(0), **options)
+  larger(ids)
+  assert sum(larger.memory().values()) > budget, "the largest such capacity"
+  with pytest.raises(ValueError, match="batch"):
+    jr.DynamicEmbedding.capacity_for(budget, 4, batch=-1, **options)
 
 
 def test_embedding_memory_parts_are_the_arrays_named():

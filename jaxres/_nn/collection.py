@@ -73,6 +73,44 @@ class TableConfig:
     check_int(self.min_count, "min_count", low=1)
     check_int(self.oov_buckets, "oov_buckets", low=0)
 
+  def _embedding_options(self) -> dict[str, Any]:
+    """The arguments of the table's :class:`jaxres.DynamicEmbedding` (but rngs, mesh and axis)."""
+    return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+  @classmethod
+  def capacity_for(
+    cls, nbytes: int, features: int, *, optimizer, mesh=None, axis=None, batch: int = 0, **options
+  ) -> int:
+    """The largest ``capacity`` whose table, built from a config of these arguments, holds at most
+    ``nbytes`` (its :meth:`jaxres.DynamicEmbedding.memory` sum): this config's defaults
+    (``jr.LRFU()`` eviction among them), sized as :meth:`jaxres.DynamicEmbedding.capacity_for` does.
+
+    Args:
+      nbytes: the budget of the table.
+      features: the width of a row.
+      optimizer: the rows' optimizer, as for the config.
+      mesh: the collection's mesh, where it is sharded.
+      axis: the mesh axis the collection is sharded over.
+      batch: room for a training lookup of that many ids no step has followed yet (see
+        :meth:`jaxres.DynamicEmbedding.capacity_for`).
+      **options: the config's other fields (``key``, ``eviction``, ``min_count``, ...).
+
+    Raises:
+      TypeError, ValueError: as the config and ``DynamicEmbedding.capacity_for``, naming the argument.
+
+    Examples:
+      >>> import optax, jaxres as jr
+      >>> c = jr.TableConfig.capacity_for(16 << 20, 16, optimizer=optax.adam(1e-3))
+      >>> c == jr.DynamicEmbedding.capacity_for(16 << 20, 16, optimizer=optax.adam(1e-3), eviction=jr.LRFU())
+      True
+      >>> config = jr.TableConfig(c, 16, optimizer=optax.adam(1e-3))   # every default kept
+    """
+    if "capacity" in options:
+      raise TypeError("capacity_for: takes no capacity (it searches for it).")
+    settings = cls(1, features, optimizer=optimizer, **options)._embedding_options()
+    del settings["capacity"], settings["features"]
+    return DynamicEmbedding.capacity_for(nbytes, features, mesh=mesh, axis=axis, batch=batch, **settings)
+
 
 @dataclasses.dataclass(frozen=True)
 class FeatureConfig:
@@ -178,13 +216,13 @@ class EmbeddingCollection(nnx.Module):
         )
     built = {}
     for name in sorted(tables):
-      config = tables[name]
-      settings = {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}
-      if settings["initializer"] is None:
-        del settings["initializer"]
       try:
         built[name] = DynamicEmbedding(
-          **settings, rngs=rngs, mesh=mesh, axis=axis, name=f"table {name!r} of a jr.EmbeddingCollection"
+          **tables[name]._embedding_options(),
+          rngs=rngs,
+          mesh=mesh,
+          axis=axis,
+          name=f"table {name!r} of a jr.EmbeddingCollection",
         )
       except (TypeError, ValueError) as err:
         raise type(err)(f"tables[{name!r}]: {err}") from err

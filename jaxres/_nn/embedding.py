@@ -141,7 +141,7 @@ class DynamicEmbedding(nnx.Module):
       ``jr.LRU()``, ``jr.LFU()`` or ``None`` (a full table refuses new ids).
     min_count: occurrences an id needs to get a row (1: at once).
     initializer: ``initializer(key, shape, dtype)``, as ``nnx.initializers``
-      (default: ``normal(0.01)``).
+      (``None``, the default: ``normal(0.01)``).
     rngs: ``nnx.Rngs``; its ``params`` stream gives the seed of new rows.
     mesh: shard the table over ``axis`` of this mesh (give both or neither).
     axis: the mesh axis the table is sharded over.
@@ -197,7 +197,7 @@ class DynamicEmbedding(nnx.Module):
     optimizer,
     eviction=_EVICTION,
     min_count: int = 1,
-    initializer: Callable = _INITIALIZER,
+    initializer: Callable | None = None,
     rngs: nnx.Rngs,
     mesh: Mesh | None = None,
     axis: str | None = None,
@@ -215,7 +215,9 @@ class DynamicEmbedding(nnx.Module):
     eviction = check_policy(eviction)
     if eviction is not None and eviction.takes_scores:
       raise ValueError(f"eviction: {eviction} needs scores from the caller; use jr.LRU() or jr.LFU().")
-    if not callable(initializer):
+    if initializer is None:
+      initializer = _INITIALIZER
+    elif not callable(initializer):
       raise TypeError(f"initializer: expected initializer(key, shape, dtype), got {initializer!r}.")
     if not isinstance(rngs, nnx.Rngs):
       raise TypeError(f"rngs: expected an nnx.Rngs, got {rngs!r}.")
@@ -499,17 +501,26 @@ class DynamicEmbedding(nnx.Module):
     (with its step count, if any); ``index``: the hash table's keys, slots,
     scores, change stamps and free rows; ``admission``: the counts of ids
     waiting for ``min_count``; ``shared``: the ``oov_buckets`` shared rows
-    and their optimizer state; ``other``: counters, the seed, and the rows of
-    the last lookup kept for :meth:`apply_gradients`. The bytes are the
-    arrays', sized by ``capacity`` whatever the number of ids held (on a mesh:
-    over all devices, the admission counts and shared rows counted once).
+    and their optimizer state; ``lookup``: the ids of the last training-mode
+    lookup and the rows it found, kept for :meth:`apply_gradients` until it
+    runs (``4 x (W + 1)`` bytes an id for ids of ``W`` key words, 12 with
+    int64 ids, and 4 more; 0 after a step: :meth:`capacity_for`'s ``batch``
+    leaves room for them); ``other``: counters and the seed. Every other part
+    is sized by ``capacity`` whatever the number of ids held (on a mesh: over
+    all devices, the admission counts and shared rows counted once).
 
     Examples:
-      >>> import optax, jaxres as jr
+      >>> import numpy as np, optax, jaxres as jr
       >>> from flax import nnx
       >>> emb = jr.DynamicEmbedding(1000, 16, optimizer=optax.sgd(0.1), rngs=nnx.Rngs(0))
       >>> emb.memory()
-      {'rows': 64064, 'optimizer': 0, 'index': 48020, 'admission': 0, 'shared': 0, 'other': 40}
+      {'rows': 64064, 'optimizer': 0, 'index': 48020, 'admission': 0, 'shared': 0, 'lookup': 0, 'other': 40}
+      >>> rows = emb(np.arange(100))   # a training lookup with no step after it yet
+      >>> emb.memory()["lookup"]       # 100 ids: two key words and a row each, and the clock
+      1204
+      >>> emb.apply_gradients(np.arange(100), np.zeros((100, 16), np.float32))
+      >>> emb.memory()["lookup"]
+      0
     """
     table = self.table.get_value()
     values = table.value_memory()
@@ -519,13 +530,22 @@ class DynamicEmbedding(nnx.Module):
       "index": table.memory()["index"],
       "admission": memory.nbytes(None if self.counts is None else self.counts.get_value()),
       "shared": memory.nbytes(None if self.shared is None else self.shared.get_value()),
+      "lookup": memory.nbytes(self.recent.get_value()),
     }
     parts["other"] = memory.nbytes(nnx.state(self)) - sum(parts.values())
     return parts
 
   @classmethod
   def capacity_for(
-    cls, nbytes: int, features: int, *, optimizer, key=jnp.int64, min_count: int = 1, **options
+    cls,
+    nbytes: int,
+    features: int,
+    *,
+    optimizer,
+    key=jnp.int64,
+    min_count: int = 1,
+    batch: int = 0,
+    **options,
   ) -> int:
     """The largest ``capacity`` whose embedding holds at most ``nbytes`` (:meth:`memory`'s sum).
 
@@ -534,11 +554,15 @@ class DynamicEmbedding(nnx.Module):
     ``axis``, ...): the module is built abstractly (``nnx.eval_shape``), a
     few times, and nothing is allocated. With ``min_count > 1`` and no
     ``admission_capacity``, the admission counts grow with the capacity and
-    share the budget. The same arguments make a :class:`jaxres.TableConfig`.
+    share the budget. The same arguments make a :class:`jaxres.TableConfig`
+    (and :meth:`jaxres.TableConfig.capacity_for` sizes one). ``batch``: room
+    left for the ids of a training lookup of that many ids that no step has
+    followed yet (:meth:`memory`'s ``lookup``: eager ``emb(ids)`` before
+    ``apply_gradients``); 0 (the default) sizes the module between steps.
 
     Raises:
       TypeError, ValueError: as the constructor, naming the argument; ``nbytes``
-        negative or too small for a capacity of 1.
+        negative or too small for a capacity of 1; ``batch`` negative.
 
     Examples:
       >>> import optax, jaxres as jr
@@ -551,11 +575,15 @@ class DynamicEmbedding(nnx.Module):
         "capacity_for: takes neither capacity nor rngs (it searches the first, builds with its own)."
       )
 
+    batch = check_int(batch, "batch", low=0)
+
     def bytes_at(capacity: int) -> int:
       build = lambda: cls(
         capacity, features, optimizer=optimizer, key=key, min_count=min_count, rngs=nnx.Rngs(0), **options
       )
-      return memory.nbytes(nnx.state(nnx.eval_shape(build)))
+      module = nnx.eval_shape(build)
+      lookup = 4 * (batch * (module.key_spec.num_words + 1) + 1) if batch else 0  # words, rows, clock
+      return memory.nbytes(nnx.state(module)) + lookup
 
     mesh, axis = options.get("mesh"), options.get("axis")
     smallest = 1 if mesh is None else ShardedTable.smallest_capacity(mesh, axis, options.get("eviction"))
