@@ -231,3 +231,30 @@ def test_a_step_pruned_while_a_reader_reads_it(tmp_path, monkeypatch, asked):
     assert int(copy.step) == -1
   reader.close()
   writer.close()
+
+
+def test_a_pruning_killed_after_its_rename_leaves_no_half_deleted_step(tmp_path, monkeypatch):
+  """Before: a step was removed file by file where it stood, so a trainer killed meanwhile left a step
+  listed as complete with files missing ("corrupted"). Now the step leaves the listing in one rename
+  and only then is removed; the next pruning removes what a killed one left."""
+  root = jr.AutoTrackable()
+  root.table = jr.MutableHashTable(np.int64, np.float32, default_value=-1.0)
+  root.table.insert(np.arange(100), np.ones(100, np.float32))
+  killed = jr.CheckpointManager(tmp_path, jr.Checkpoint(model=root), max_to_keep=1)
+  monkeypatch.setattr(orbax_io.shutil, "rmtree", lambda *args, **kwargs: None)  # killed before it ran
+  killed.save(0)
+  killed.save(1)
+  killed.wait_until_finished()  # prunes step 0: renamed into the trash, never removed
+  trash = tmp_path / orbax_io.TRASH
+  assert sorted(p.name for p in tmp_path.iterdir() if p.name != orbax_io.TRASH) == ["1"]
+  assert sorted(p.name for p in trash.iterdir()) == ["0"] and any((trash / "0").rglob("*"))
+  monkeypatch.undo()
+  reader = jr.CheckpointManager(tmp_path, jr.Checkpoint(model=root))
+  assert reader.all_steps() == [1]
+  reader.restore().assert_consumed()
+  restarted = jr.CheckpointManager(tmp_path, jr.Checkpoint(model=root), max_to_keep=1)
+  restarted.save(2)
+  restarted.wait_until_finished()  # prunes step 1, and the trash with it
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["2"]
+  for manager in (killed, reader, restarted):
+    manager.close()

@@ -505,7 +505,7 @@ class _MemoryStore:
     contents, arrays = self.steps[step]
     return check(contents, str(step)), dict(arrays)
 
-  def all_steps(self):
+  def all_steps(self, reload=False):
     return sorted(self.steps)
 
   def delete(self, step):

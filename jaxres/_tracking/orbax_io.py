@@ -16,6 +16,7 @@ host holds all of it. Other arrays are written once and read by every process.
 from __future__ import annotations
 
 import os
+import shutil
 import zlib
 from pathlib import Path
 from typing import Any
@@ -198,6 +199,7 @@ def _intact(value: np.ndarray | Blocks, crc32: int | list[int]) -> bool:
   return len(crc32) == value.shape[0] and all(_checksum(row) == crc32[i] for i, row in rows)
 
 
+TRASH = ".deleted"  # where a manager's steps go to be removed (not a step name: never listed)
 _STEP_NAMES = ocp.path.step.standard_name_format()  # how Orbax's manager names the step directories
 _LISTING_ATTEMPTS = 8
 
@@ -212,7 +214,7 @@ class StepStore:
   """
 
   def __init__(self, directory: str):
-    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True, todelete_subdir=TRASH)
     self._manager = ocp.CheckpointManager(os.path.abspath(directory), options=options)
 
   def save(self, step: int, manifest: dict, arrays: dict[str, np.ndarray | jax.Array]) -> None:
@@ -259,7 +261,12 @@ class StepStore:
     raise OSError(f"{directory}: steps kept being deleted while they were listed; try again.")
 
   def delete(self, step: int) -> None:
+    """Deletes ``step`` at once: Orbax renames its directory into :data:`TRASH` (one rename: a process
+    killed meanwhile leaves the step whole or gone, never half of it listed), then the trash, with
+    whatever an interrupted deletion left there, is removed."""
     self._manager.delete(step)
+    if processes.is_primary():  # the process Orbax renames in
+      shutil.rmtree(self._manager.directory / TRASH, ignore_errors=True)
 
   def path(self, step: int) -> str:
     """The directory of ``step``."""
