@@ -45,6 +45,7 @@ from jaxres._shell.trackable import Trackable as Trackable
 from jaxres._tracking.checkpoint import Checkpoint as Checkpoint
 from jaxres._tracking.checkpoint_manager import CheckpointManager as CheckpointManager
 from jaxres._tracking.inspect import inspect_checkpoint as inspect_checkpoint
+from jaxres._tracking.ownership import UnlockedDirectoryWarning as UnlockedDirectoryWarning
 from jaxres._tracking.status import LoadStatus as LoadStatus
 
 __all__ = [
@@ -80,6 +81,7 @@ __all__ = [
   "TextFileIndex",
   "TextFileInitializer",
   "Trackable",
+  "UnlockedDirectoryWarning",
   "grad",
   "inspect_checkpoint",
   "keys",

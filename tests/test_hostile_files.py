@@ -9,10 +9,13 @@ test stands for an attacker, who can recompute it: the cross-checks must
 hold without the checksum.
 """
 
+import errno
+import fcntl
 import gc
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -27,7 +30,7 @@ from tower import Model
 
 import jaxres as jr
 from jaxres._persistence import files
-from jaxres._tracking import checkpoint_manager, increments, manifest
+from jaxres._tracking import checkpoint_manager, increments, manifest, ownership
 
 
 def reseal(file, edit):
@@ -444,6 +447,79 @@ def test_one_writer_per_manager_directory(tmp_path):
   assert jr.CheckpointManager(tmp_path, jr.Checkpoint(model=root)).all_steps() == [100, 101, 102]
 
 
+_FORKING_WRITER = """
+import multiprocessing, os, signal, sys, time, numpy as np, jaxres as jr
+root = jr.AutoTrackable()
+root.x = np.arange(3)
+manager = jr.CheckpointManager(sys.argv[1], jr.Checkpoint(model=root))
+manager.save(0)
+manager.wait_until_finished()
+child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(3600,))  # a data loader
+child.start()
+with open(sys.argv[2], "w") as f:
+  f.write(str(child.pid))
+os.kill(os.getpid(), signal.SIGKILL)  # the trainer dies; its child lives on
+"""
+
+
+def test_the_lock_dies_with_the_trainer_not_with_its_forked_children(tmp_path):
+  """Before: a child forked by the trainer kept the flock after the trainer was killed, and the
+  restarted trainer was refused for as long as the child lived."""
+  pid_file = tmp_path.parent / f"{tmp_path.name}.child"
+  command = [sys.executable, "-W", "ignore", "-c", _FORKING_WRITER, str(tmp_path), str(pid_file)]
+  subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=HANG_GUARD_S)
+  child = int(pid_file.read_text())
+  try:
+    os.kill(child, 0)  # still alive
+    root = jr.AutoTrackable()
+    root.x = np.arange(3)
+    restarted = jr.CheckpointManager(tmp_path, jr.Checkpoint(model=root))
+    restarted.save(1)
+    restarted.close()
+    assert restarted.all_steps() == [0, 1]
+  finally:
+    os.kill(child, signal.SIGKILL)
+
+
+def test_a_filesystem_without_flock_saves_with_a_warning(tmp_path, monkeypatch):
+  """Before: on a filesystem without flock (ENOLCK) no manager could save, told another process was."""
+
+  def no_locks(fd, operation):
+    raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+  monkeypatch.setattr(ownership.fcntl, "flock", no_locks)
+  root = jr.AutoTrackable()
+  root.x = np.arange(3)
+  manager = jr.CheckpointManager(tmp_path, jr.Checkpoint(model=root))
+  with pytest.warns(jr.UnlockedDirectoryWarning, match=f"{tmp_path}.* cannot be locked"):
+    manager.save(0)
+  manager.save(1)  # warned once
+  manager.close()
+  assert manager.all_steps() == [0, 1]
+
+
+def test_a_directory_removed_and_made_again_is_locked_afresh(tmp_path):
+  """Before: the trainer kept its lock on the removed directory, so a second writer could take the new
+  one beside it."""
+  root = jr.AutoTrackable()
+  root.x = np.arange(3)
+  manager = jr.CheckpointManager(tmp_path / "run", jr.Checkpoint(model=root))
+  manager.save(0)
+  manager.wait_until_finished()
+  shutil.rmtree(tmp_path / "run")
+  os.makedirs(tmp_path / "run")
+  manager.save(1)
+  manager.wait_until_finished()
+  probe = os.open(tmp_path / "run", os.O_RDONLY)
+  try:
+    with pytest.raises(BlockingIOError):  # what another process's manager meets: refused
+      fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  finally:
+    os.close(probe)
+  manager.close()
+  assert manager.all_steps() == [1]
+
+
 def _resident_bytes() -> int:
   with open("/proc/self/status") as f:
     return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
@@ -507,6 +583,9 @@ class _MemoryStore:
 
   def all_steps(self, reload=False):
     return sorted(self.steps)
+
+  def refresh(self):
+    pass
 
   def delete(self, step):
     del self.steps[step]

@@ -156,8 +156,10 @@ class CheckpointManager:
     step = check_int(step, "step", low=0)
     if full is not None and not isinstance(full, bool):
       raise TypeError(f"full: expected a bool or None, got {full!r}.")
-    if processes.is_primary():  # the process that commits the steps
-      self._owner.claim()
+    # The process that commits the steps takes the directory; where it takes it now (its first save,
+    # or a directory removed and made again since), the steps are listed afresh from the disk.
+    if processes.is_primary() and self._owner.claim():
+      self._store.refresh()
     self._settle()
     steps = self._store.all_steps()
     if step in steps:

@@ -255,10 +255,19 @@ class StepStore:
     directory = self._manager.directory
     for _ in range(_LISTING_ATTEMPTS):
       try:
-        return sorted(step.step for step in _STEP_NAMES.find_all(directory)) if directory.exists() else []
+        steps = sorted(step.step for step in _STEP_NAMES.find_all(directory)) if directory.exists() else []
+        break
       except FileNotFoundError:  # a step another process deleted while it was listed: list again
         continue
-    raise OSError(f"{directory}: steps kept being deleted while they were listed; try again.")
+    else:
+      raise OSError(f"{directory}: steps kept being deleted while they were listed; try again.")
+    return steps
+
+  def refresh(self) -> None:
+    """Orbax's manager lists the steps on the disk again (for a writer that has just taken the
+    directory: no other process deletes steps meanwhile)."""
+    self.wait()
+    self._manager.reload()
 
   def delete(self, step: int) -> None:
     """Deletes ``step`` at once: Orbax renames its directory into :data:`TRASH` (one rename: a process
