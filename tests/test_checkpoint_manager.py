@@ -258,3 +258,19 @@ def test_a_pruning_killed_after_its_rename_leaves_no_half_deleted_step(tmp_path,
   assert sorted(p.name for p in tmp_path.iterdir()) == ["2"]
   for manager in (killed, reader, restarted):
     manager.close()
+
+
+def test_a_writer_removes_the_unfinished_saves_a_killed_writer_left(tmp_path):
+  """Before: a save that never committed (a full disk, a killed trainer) left its Orbax temporary
+  directory through later saves, pruning and new managers."""
+  left = tmp_path / f"7{orbax_io.TEMPORARY_SUFFIX}-1700000000"
+  (left / "arrays").mkdir(parents=True)
+  root = jr.AutoTrackable()
+  root.step = jnp.array(0)
+  reader = jr.CheckpointManager(tmp_path, jr.Checkpoint(model=root))
+  assert reader.all_steps() == [] and left.exists(), "a reader removes nothing"
+  writer = jr.CheckpointManager(tmp_path, jr.Checkpoint(model=root))
+  writer.save(8)
+  writer.close()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["8"]
+  reader.close()

@@ -218,6 +218,7 @@ def test_full_disk_during_an_asynchronous_step_save(tmp_path):
       manager2.save(2)
       manager2.wait_until_finished()  # the background write fails
   assert manager2.all_steps() == [1] and _snapshot(root2) == _saved_at(2)
+  assert sorted(os.listdir(tmp_path)) == ["1"], "the failed step's temporary directory is removed"
   manager2.save(2)  # with room again, the same step saves
   assert manager2.all_steps() == [1, 2]
   fresh = _graph(0)

@@ -587,6 +587,9 @@ class _MemoryStore:
   def refresh(self):
     pass
 
+  def remove_unfinished(self):
+    pass
+
   def delete(self, step):
     del self.steps[step]
 

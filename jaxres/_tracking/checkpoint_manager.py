@@ -158,8 +158,11 @@ class CheckpointManager:
       raise TypeError(f"full: expected a bool or None, got {full!r}.")
     # The process that commits the steps takes the directory; where it takes it now (its first save,
     # or a directory removed and made again since), the steps are listed afresh from the disk.
-    if processes.is_primary() and self._owner.claim():
+    claimed = self._owner.claim() if processes.is_primary() else ownership.HELD
+    if claimed != ownership.HELD:  # taken now: the steps listed from the disk
       self._store.refresh()
+    if claimed == ownership.LOCKED:  # no other writer: what a killed one left unfinished is removed
+      self._store.remove_unfinished()
     self._settle()
     steps = self._store.all_steps()
     if step in steps:
@@ -277,6 +280,8 @@ class CheckpointManager:
       self._store.wait()
     except OSError:
       self._written = None
+      if self._saved:
+        self._store.remove_unfinished()  # the failed step's temporary directory
       raise
     if self._max_to_keep is None or not self._saved:
       return

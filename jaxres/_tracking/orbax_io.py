@@ -263,6 +263,16 @@ class StepStore:
       raise OSError(f"{directory}: steps kept being deleted while they were listed; try again.")
     return steps
 
+  def remove_unfinished(self) -> None:
+    """Removes the temporary directories of saves that never committed (a failed save's, or a killed
+    writer's): only for the directory's writer, which no other process saves beside."""
+    if not processes.is_primary():  # the process Orbax writes the temporary directories in
+      return
+    directory = Path(self._manager.directory)
+    for entry in directory.iterdir() if directory.is_dir() else ():
+      if TEMPORARY_SUFFIX in entry.name:
+        shutil.rmtree(entry, ignore_errors=True)
+
   def refresh(self) -> None:
     """Orbax's manager lists the steps on the disk again (for a writer that has just taken the
     directory: no other process deletes steps meanwhile)."""

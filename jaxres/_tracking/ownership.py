@@ -25,6 +25,7 @@ import threading
 import warnings
 import weakref
 
+HELD, HANDED, LOCKED = "held", "handed over", "locked"  # what Owner.claim did
 _held: dict[str, tuple[int, weakref.ref]] = {}  # directory -> (locked fd, the owner holding it)
 _guard = threading.Lock()
 _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
@@ -77,8 +78,10 @@ class Owner:
     self._fd: int | None = None
     self._superseded = False  # a newer manager of this process took the directory over
 
-  def claim(self) -> bool:
-    """Makes this the directory's writer: whether it took the directory now (``False``: it already was).
+  def claim(self) -> str:
+    """Makes this the directory's writer: :data:`HELD` (it already was), :data:`HANDED` (taken over
+    from a manager of this process, whose saves may still be pending) or :data:`LOCKED` (no writer of
+    this process had it: the lock taken from the system).
 
     Raises:
       ValueError: naming the directory: a manager of another process owns it,
@@ -99,13 +102,13 @@ class Owner:
           "no longer may (one writer per directory)."
         )
       if self._fd is not None:
-        return False
+        return HELD
       held = _held.get(self.directory)
       if held is not None:  # a manager of this process: hand the lock over
         fd = held[0]
         _held[self.directory] = (fd, weakref.ref(self))
         self._fd = fd
-        return True
+        return HANDED
       os.makedirs(self.directory, exist_ok=True)
       fd = os.open(self.directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
       try:
@@ -129,7 +132,7 @@ class Owner:
           ) from None
       _held[self.directory] = (fd, weakref.ref(self))
       self._fd = fd
-      return True
+      return LOCKED
 
   def release(self) -> None:
     """Gives the ownership up (if this still holds it)."""
