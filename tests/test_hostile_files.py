@@ -390,8 +390,9 @@ def test_string_keys_are_utf8_on_the_way_in_and_in_checkpoints(tmp_path):
     (lambda spec: spec.pop("dtype"), "dtype None"),
     (lambda spec: spec.update(shape=[2**62, -1]), "shape"),
     (lambda spec: spec.update(crc32="x"), "checksum"),
+    (lambda spec: spec.update(step=3, key="e0"), "kept in step 3, which a whole checkpoint"),
   ],
-  ids=["unknown_dtype", "no_dtype", "bad_shape", "bad_checksum"],
+  ids=["unknown_dtype", "no_dtype", "bad_shape", "bad_checksum", "kept_in_another_step"],
 )
 def test_malformed_array_descriptions_are_named(tmp_path, edit, match):
   root = jr.AutoTrackable()

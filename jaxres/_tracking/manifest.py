@@ -68,9 +68,19 @@ def check(manifest: Any, label: str, incremental: bool = False) -> dict:
   problem = _graph_problem(manifest.get("nodes"), manifest.get("arrays"))
   if kind == INCREMENTAL_FORMAT:
     problem = problem or _lineage_problem(manifest)
+  else:
+    problem = problem or _kept_elsewhere(manifest["arrays"])
   if problem:
     raise ValueError(f"{label}: corrupted manifest ({problem}).")
   return files.unsealed(manifest, label)
+
+
+def _kept_elsewhere(specs: dict) -> str | None:
+  """An array a whole checkpoint says another step keeps (only an incremental step's may)."""
+  for key, spec in specs.items():
+    if "step" in spec:
+      return f"array {key}: kept in step {spec['step']!r}, which a whole checkpoint cannot refer to"
+  return None
 
 
 def _lineage_problem(manifest: dict) -> str | None:
