@@ -30,7 +30,7 @@ from tower import Model
 
 import jaxres as jr
 from jaxres._persistence import files
-from jaxres._tracking import checkpoint_manager, increments, manifest, ownership
+from jaxres._tracking import checkpoint_manager, increments, manifest, orbax_io, ownership
 
 
 def reseal(file, edit):
@@ -402,6 +402,24 @@ def test_malformed_array_descriptions_are_named(tmp_path, edit, match):
   fresh = jr.AutoTrackable()
   fresh.x = np.zeros(3)
   with pytest.raises(ValueError, match=f"corrupted manifest \\(array e0: {match}"):
+    jr.Checkpoint(model=fresh).restore(path)
+  assert fresh.x.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_a_crafted_array_shape_is_refused_before_it_is_allocated(tmp_path, monkeypatch):
+  """Before: a manifest and Orbax's own record both claiming 2^40 float64s raised MemoryError (8.00 TiB)."""
+  root = jr.AutoTrackable()
+  root.x = np.arange(3.0)
+  path = jr.Checkpoint(model=root).save(tmp_path / "ckpt")
+  huge = [1 << 40]
+  reseal(tmp_path / "ckpt" / "manifest" / "metadata", lambda d: d["arrays"]["e0"].update(shape=huge))
+  recorded = orbax_io._stored_arrays
+  monkeypatch.setattr(  # what Orbax recorded, crafted to agree
+    orbax_io, "_stored_arrays", lambda *a: {k: ((1 << 40,), dtype) for k, (_, dtype) in recorded(*a).items()}
+  )
+  fresh = jr.AutoTrackable()
+  fresh.x = np.zeros(3)
+  with pytest.raises(ValueError, match=r"array e0 is float64\[1099511627776\], 8192.0 GiB: more than"):
     jr.Checkpoint(model=fresh).restore(path)
   assert fresh.x.tolist() == [0.0, 0.0, 0.0]
 

@@ -145,12 +145,30 @@ def _targets(specs: dict[str, dict], stored: str, label: str) -> dict:
     if key not in recorded or recorded[key] != (shape, dtype):
       found = "not stored" if key not in recorded else f"stored as {recorded[key][1]}{list(recorded[key][0])}"
       raise ValueError(f"{label}: array {key} is described as {dtype}{list(shape)} but {found} (corrupted).")
+    nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
+    if nbytes > _memory_bytes():  # a crafted shape: refused before anything is allocated
+      raise ValueError(
+        f"{label}: array {key} is {dtype}{list(shape)}, {nbytes / 2**30:.1f} GiB: more than this "
+        "machine's memory (corrupted, or not meant for this machine)."
+      )
     split = isinstance(spec.get("crc32"), list) and jax.process_count() > 1
     if split and jax.dtypes.canonicalize_dtype(dtype) == dtype:
       targets[key] = jax.ShapeDtypeStruct(shape, dtype, sharding=processes.reading_sharding(shape[0]))
     else:
-      targets[key] = np.empty(shape, dtype)
+      try:
+        targets[key] = np.empty(shape, dtype)
+      except MemoryError as err:
+        message = f"{label}: array {key} is {dtype}{list(shape)}, which does not fit in memory."
+        raise ValueError(message) from err
   return targets
+
+
+def _memory_bytes() -> int:
+  """The machine's physical memory in bytes (no bound where the system does not say)."""
+  try:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  except (ValueError, OSError, AttributeError):
+    return 1 << 62
 
 
 def _stored_arrays(stored: str, label: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
