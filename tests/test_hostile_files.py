@@ -424,24 +424,31 @@ def test_a_crafted_array_shape_is_refused_before_it_is_allocated(tmp_path, monke
   assert fresh.x.tolist() == [0.0, 0.0, 0.0]
 
 
-_OTHER_WRITER = """
-import sys, numpy as np, jaxres as jr
+# A trainer in a process of its own: saves step argv[2] in directory argv[1], then goes on as the test says.
+_WRITER = """
+import multiprocessing, os, signal, sys, time, numpy as np, jaxres as jr
 root = jr.AutoTrackable()
 root.x = np.arange(3)
 manager = jr.CheckpointManager(sys.argv[1], jr.Checkpoint(model=root))
-manager.save(100)
+manager.save(int(sys.argv[2]))
 manager.wait_until_finished()
+"""
+
+_OTHER_WRITER = (
+  _WRITER
+  + """
 print("saved", flush=True)
 sys.stdin.readline()  # holds the directory until told to go
 manager.close()
 """
+)
 
 
 def test_one_writer_per_manager_directory(tmp_path):
   root = jr.AutoTrackable()
   root.x = np.arange(3)
   other = subprocess.Popen(
-    [sys.executable, "-c", _OTHER_WRITER, str(tmp_path)],
+    [sys.executable, "-c", _OTHER_WRITER, str(tmp_path), "100"],
     stdin=subprocess.PIPE,
     stdout=subprocess.PIPE,
     text=True,
@@ -466,26 +473,23 @@ def test_one_writer_per_manager_directory(tmp_path):
   assert jr.CheckpointManager(tmp_path, jr.Checkpoint(model=root)).all_steps() == [100, 101, 102]
 
 
-_FORKING_WRITER = """
-import multiprocessing, os, signal, sys, time, numpy as np, jaxres as jr
-root = jr.AutoTrackable()
-root.x = np.arange(3)
-manager = jr.CheckpointManager(sys.argv[1], jr.Checkpoint(model=root))
-manager.save(0)
-manager.wait_until_finished()
+_FORKING_WRITER = (
+  _WRITER
+  + """
 child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(3600,))  # a data loader
 child.start()
-with open(sys.argv[2], "w") as f:
+with open(sys.argv[3], "w") as f:
   f.write(str(child.pid))
 os.kill(os.getpid(), signal.SIGKILL)  # the trainer dies; its child lives on
 """
+)
 
 
 def test_the_lock_dies_with_the_trainer_not_with_its_forked_children(tmp_path):
   """Before: a child forked by the trainer kept the flock after the trainer was killed, and the
   restarted trainer was refused for as long as the child lived."""
   pid_file = tmp_path.parent / f"{tmp_path.name}.child"
-  command = [sys.executable, "-W", "ignore", "-c", _FORKING_WRITER, str(tmp_path), str(pid_file)]
+  command = [sys.executable, "-W", "ignore", "-c", _FORKING_WRITER, str(tmp_path), "0", str(pid_file)]
   subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=HANG_GUARD_S)
   child = int(pid_file.read_text())
   try:
