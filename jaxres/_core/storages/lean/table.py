@@ -384,6 +384,8 @@ def _jit_place(table: LeanTable, words, leaves, given_scores, slots, valid) -> L
   return table._place_rows(words, leaves, given_scores, slots, valid)
 
 
+# One program builds an empty table; only ``default`` is an array argument.
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 4, 5, 6))
 def _empty(capacity, key_spec, value_spec, default, num_buckets, bucket_size, eviction):
   slots = num_buckets * bucket_size
   return LeanTable(

@@ -22,6 +22,7 @@ inserted (see :mod:`buckets` for the records).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -475,6 +476,9 @@ def _jit_place(table: OpenAddressingTable, words, leaves, given_scores, slots, v
   return table._place_rows(words, leaves, given_scores, slots, valid)
 
 
+# One program builds an empty table (its arrays filled on the device, not one dispatch each); only
+# ``default`` is an array argument.
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 4, 5, 6))
 def _empty(capacity, key_spec, value_spec, default, bucket_size, eviction, eviction_window):
   layout = Layout(max(1, math.ceil(capacity / (bucket_size * _MAX_LOAD))), bucket_size, key_spec.num_words)
   # Floors pay where every call's windows are wider than a bucket (their upkeep slows every write of a

@@ -274,6 +274,8 @@ def read_only_like(table: Table, capacity: int) -> SortedTable:
   return _empty(check_capacity(capacity), table.key_spec, table.value_spec, default)
 
 
+# One program builds an empty table; only ``default`` is an array argument.
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _empty(capacity, key_spec, value_spec, default):
   return SortedTable(
     keys=jnp.zeros((capacity, key_spec.num_words), jnp.uint32),
