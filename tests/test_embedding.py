@@ -39,11 +39,13 @@ def _rows(emb) -> dict:
 
 
 class NumpyRows:
-  """The reference: each id's row and optimizer state, updated in float64 by the textbook formulas."""
+  """The reference: each id's row and optimizer state, updated in float64 by the textbook formulas
+  (``learning_rate``: a float, or a schedule of the steps taken before, every id's alike)."""
 
-  def __init__(self, name: str, learning_rate: float):
-    self.name, self.lr = name, learning_rate
+  def __init__(self, name: str, learning_rate):
+    self.name, self.schedule = name, learning_rate if callable(learning_rate) else lambda _: learning_rate
     self.rows, self.mu, self.nu, self.count = {}, {}, {}, collections.Counter()
+    self.steps = 0
 
   def start(self, key: int, row: np.ndarray) -> None:
     self.rows.setdefault(key, row.astype(np.float64))
@@ -54,6 +56,8 @@ class NumpyRows:
     totals = collections.defaultdict(lambda: np.zeros(FEATURES))
     for key, grad in zip(ids.tolist(), grads.astype(np.float64)):
       totals[key] += grad
+    self.lr = self.schedule(self.steps)
+    self.steps += 1
     for key, g in totals.items():
       if self.name == "sgd":
         self.rows[key] -= self.lr * g
@@ -64,6 +68,40 @@ class NumpyRows:
       self.nu[key] = 0.999 * self.nu[key] + 0.001 * g * g
       mu_hat, nu_hat = self.mu[key] / (1 - 0.9**t), self.nu[key] / (1 - 0.999**t)
       self.rows[key] -= self.lr * mu_hat / (np.sqrt(nu_hat) + 1e-8)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_a_decaying_schedule_follows_the_embeddings_steps_for_an_id_met_late(name, tmp_path):
+  """A schedule on rows reads the embedding's step (the apply_gradients calls before), as a dense
+  parameter's would and as jr.CatchUpAdam's: an id met at the sixth step takes the sixth step's
+  decayed rate, not the first (Adam's bias corrections count the row's own updates); the step is
+  checkpointed, so a restored embedding goes on where the schedule was."""
+  schedule = optax.exponential_decay(0.5, transition_steps=1, decay_rate=0.5)
+  emb = _embedding(optimizer=(optax.sgd if name == "sgd" else optax.adam)(schedule))
+  reference = NumpyRows(name, lambda step: 0.5 * 0.5**step)
+  rng = np.random.default_rng(3)
+  early, late = POOL[:4], POOL[4:8]
+  for ids in [early] * 5 + [np.concatenate([early, late])] * 2:
+    grads = rng.normal(size=(len(ids), FEATURES)).astype(np.float32)
+    for key, row in zip(ids.tolist(), np.asarray(emb(ids))):
+      reference.start(key, row)
+    emb.apply_gradients(ids, grads)
+    reference.step(ids, grads)
+  rows = _rows(emb)
+  for key in POOL[:8].tolist():
+    np.testing.assert_allclose(rows[key], reference.rows[key], rtol=1e-5, atol=1e-6)
+  assert int(emb.step.get_value()) == 7
+
+  jr.Checkpoint(model=emb).save(tmp_path / "ckpt")
+  restored = _embedding(optimizer=(optax.sgd if name == "sgd" else optax.adam)(schedule))
+  jr.Checkpoint(model=restored).restore(tmp_path / "ckpt").assert_consumed()
+  for model in (emb, restored):
+    model(late)
+    model.apply_gradients(late, np.ones((4, FEATURES), np.float32))
+  assert int(restored.step.get_value()) == 8
+  expected = _rows(emb)
+  for key, row in _rows(restored).items():
+    np.testing.assert_array_equal(row, expected[key])
 
 
 @pytest.mark.parametrize("name", ["sgd", "adam"])

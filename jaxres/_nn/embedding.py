@@ -45,7 +45,8 @@ class EmbeddingRows(EmbeddingState, TableVariable):
 
 class EmbeddingStep(EmbeddingState):
   """The steps (``apply_gradients`` calls) of an embedding whose row optimizer needs them
-  (:class:`jaxres.CatchUpAdam`): part of the optimizer state.
+  (:class:`jaxres.CatchUpAdam`, or an optax transformation with a schedule: see
+  :mod:`~jaxres._nn.rowwise`): part of the optimizer state.
 
   Its metadata ``restore_rows_only`` lets a checkpoint without it (trained
   with another row optimizer) be restored: the count then starts afresh with
@@ -135,7 +136,8 @@ class DynamicEmbedding(nnx.Module):
       each id is stored as ``ceil(max_length / 4) + 1`` ``uint32`` words.
     optimizer: an elementwise ``optax.GradientTransformation`` (``sgd``,
       ``adam``, ``adagrad``, ``rmsprop``, ``lion``, chains of them), applied to
-      each row with its own state, or :class:`jaxres.CatchUpAdam`.
+      each row with its own state (a learning-rate schedule reads the
+      embedding's step, every row alike), or :class:`jaxres.CatchUpAdam`.
     eviction: ``jr.LRFU()`` (the default: the lowest loss of the policies on
       the quality tasks, stationary and drifting; see the embeddings guide),
       ``jr.LRU()``, ``jr.LFU()`` or ``None`` (a full table refuses new ids).

@@ -4,6 +4,13 @@ Each row keeps its own optimizer state (Adam's ``mu``, ``nu`` and ``count``)
 next to it, so an update touches only the rows given, whatever the table's
 capacity, and a row never updated keeps its state as initialised ("lazy"
 semantics, as TensorFlow's LazyAdam).
+
+Schedules follow the embedding's step, not the row's: a learning rate given as
+a schedule (``optax.adam(optax.exponential_decay(...))``, ``optax.scale_by_schedule``,
+``optax.inject_hyperparams``) is evaluated at the number of ``apply_gradients``
+calls before this one, as for dense parameters and as :class:`jaxres.CatchUpAdam`
+does, so an id first met late in training takes the decayed rate of that step.
+Adam's bias corrections count the row's own updates (lazy Adam's).
 """
 
 from __future__ import annotations
@@ -42,7 +49,6 @@ class RowOptimizer:
   features: int
   treedef: jax.tree_util.PyTreeDef  # of one row's optimizer state
   slots: tuple[jax.ShapeDtypeStruct, ...]  # one row's state leaves
-  needs_step = False  # rows are updated alike whatever the step (see for_rows)
 
   @classmethod
   def wrap(cls, optimizer, features: int) -> RowOptimizer:
@@ -114,6 +120,13 @@ class RowOptimizer:
   def _key(self):
     return (structure_key(self.transformation), self.features)
 
+  @functools.cached_property
+  def needs_step(self) -> bool:
+    """Whether the transformation holds a schedule (see the module): the embedding then counts its
+    steps and passes the current one to :meth:`update`."""
+    state = jax.eval_shape(self.transformation.init, jax.ShapeDtypeStruct((self.features,), jnp.float32))
+    return any(_is_schedule(x) for x in jax.tree.leaves(state, is_leaf=_is_schedule))
+
   def init(self, rows: jax.Array) -> list[jax.Array]:
     """The initial state leaves of ``rows`` (``[n, features]``): leaves ``[n, *slot_shape]``."""
     return jax.tree.leaves(jax.vmap(self.transformation.init)(rows))
@@ -121,14 +134,41 @@ class RowOptimizer:
   def update(self, grads: jax.Array, rows: jax.Array, slots, step=None) -> tuple[jax.Array, list[jax.Array]]:
     """One step for each row: ``(rows, slots)`` after the gradients ``grads`` (``[n, features]``).
 
-    ``step`` (the embedding's step count) is not used: each row's state counts its own updates.
+    ``step``: the embedding's step count, this step included (``None`` unless :attr:`needs_step`).
+    Schedules read ``step - 1``, the steps before this one (optax's count); the row's schedule count
+    then records ``step``, its last update's. Every other state counts the row's own updates.
     """
 
     def one(grad, row, leaves):
-      updates, state = self.transformation.update(grad, jax.tree.unflatten(self.treedef, leaves), row)
+      state = jax.tree.unflatten(self.treedef, leaves)
+      if step is not None:
+        state = _at_step(state, step - 1)
+      updates, state = self.transformation.update(grad, state, row)
       return optax.apply_updates(row, updates), jax.tree.leaves(state)
 
     return jax.vmap(one)(grads, rows, list(slots))
+
+
+# optax states whose ``count`` a schedule reads (the learning rate of ``optax.adam(schedule)`` is a
+# scale_by_schedule; inject_hyperparams evaluates its schedules at its count).
+_SCHEDULE_STATES = (
+  optax.ScaleByScheduleState,
+  optax.InjectHyperparamsState,
+  optax.InjectStatefulHyperparamsState,
+)
+
+
+def _is_schedule(x) -> bool:
+  return isinstance(x, _SCHEDULE_STATES)
+
+
+def _at_step(state, count):
+  """``state`` with the count of every schedule in it at ``count`` (the steps before this one)."""
+
+  def at(x):
+    return x._replace(count=jnp.asarray(count, x.count.dtype)) if _is_schedule(x) else x
+
+  return jax.tree.map(at, state, is_leaf=_is_schedule)
 
 
 def _named_states(state) -> list[str]:
