@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import jaxres as jr
+from jaxres._persistence import files
 
 
 class Counter(jr.Resource):
@@ -205,6 +206,30 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
   manifest.write_text("{not json")
   with pytest.raises(ValueError, match="corrupted"):
     jr.Checkpoint(model=jr.AutoTrackable()).restore(path)
+
+
+def test_the_seal_cannot_be_switched_off(tmp_path):
+  """Format 3 is always sealed: a manifest without its checksum, or whose checksum field's name lost a
+  bit, is refused as damaged, as is one whose version went back to 2 (the seal covers it); the
+  model is left as it was. (Unsealed version-2 checkpoints of earlier releases restore:
+  test_old_checkpoints.)"""
+  root = _build()
+  path = jr.Checkpoint(model=root).save(tmp_path / "ckpt")
+  manifest = tmp_path / "ckpt" / "manifest" / "metadata"
+  written = json.loads(manifest.read_text())
+  assert written["version"] == 3 and files.SEAL in written
+  flipped = chr(ord(files.SEAL[-1]) ^ 1)
+  for edit, match in (
+    (lambda d: {k: v for k, v in d.items() if k != files.SEAL}, "its checksum is missing"),
+    (lambda d: {(files.SEAL[:-1] + flipped if k == files.SEAL else k): v for k, v in d.items()}, "a field"),
+    (lambda d: d | {"version": 2}, "its checksum differs"),
+  ):
+    manifest.write_text(json.dumps(edit(written)))
+    target = _build(seed=1)
+    target.step = jnp.array(-1)
+    with pytest.raises(ValueError, match=f"corrupted manifest \\({match}"):
+      jr.Checkpoint(model=target).restore(path)
+    assert int(target.step) == -1 and len(target.words) == 3
 
 
 def test_save_replaces_atomically(tmp_path):

@@ -67,6 +67,32 @@ def _refused(served_pair, delta, match):
   _same_answers(_answers(served), before)
 
 
+def _unseal(file, how):
+  """Writes the JSON manifest ``file`` without its checksum (``how="drop"``) or with the checksum's
+  field name one bit off (``"flip"``): what a flipped bit in the name does."""
+  data = json.loads(file.read_text())
+  seal = data.pop(files.SEAL)
+  if how == "flip":
+    data[files.SEAL[:-1] + chr(ord(files.SEAL[-1]) ^ 1)] = seal
+  file.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("how", ["drop", "flip"])
+def test_an_export_or_delta_whose_seal_is_gone_is_refused(served_pair, tmp_path, how):
+  """Exports (format 3) and deltas (format 2) are always sealed: a manifest without its checksum, or
+  whose checksum field lost a bit of its name, is damage, not an unsealed manifest of an earlier
+  release."""
+  export = _copy(served_pair, tmp_path, "export")
+  assert json.loads((export / "saved_model.json").read_text())["version"] == 3
+  _unseal(export / "saved_model.json", how)
+  with pytest.raises(ValueError, match="corrupted manifest"):
+    jr.saved_model.load(export)
+  delta = _copy(served_pair, tmp_path)
+  assert json.loads((delta / "delta.json").read_text())["version"] == 2
+  _unseal(delta / "delta.json", how)
+  _refused(served_pair, delta, "corrupted manifest")
+
+
 @pytest.mark.parametrize("name", ["../outside", "/tmp/outside", "tables/../../outside", "tables//0"])
 def test_a_delta_naming_files_outside_its_directory_is_refused(served_pair, tmp_path, name):
   delta = _copy(served_pair, tmp_path)
@@ -252,7 +278,7 @@ def test_long_chains_compose_in_a_loop():
     if step == 0:
       return whole, {}
     contents = whole | {"format": manifest.INCREMENTAL_FORMAT, "parent": step - 1, "needs": list(range(step))}
-    return manifest.check(contents, str(step), incremental=True), {}
+    return manifest.check(files.sealed(contents), str(step), incremental=True), {}
 
   contents, arrays = increments.materialize(2000, load)
   assert contents["nodes"] == {"": node} and arrays == {}
@@ -596,8 +622,8 @@ class _MemoryStore:
   def __init__(self, directory):
     self.directory, self.steps, self.loads = directory, {}, 0
 
-  def save(self, step, contents, arrays):
-    self.steps[step] = (contents, {key: np.array(a) for key, a in arrays.items()})
+  def save(self, step, contents, arrays):  # sealed, as orbax_io writes it
+    self.steps[step] = (files.sealed(contents), {key: np.array(a) for key, a in arrays.items()})
 
   def load(self, step, check):
     self.loads += 1

@@ -37,12 +37,18 @@ def sealed(manifest: dict) -> dict:
   return manifest | {SEAL: _checksum(manifest)}
 
 
-def unsealed(manifest: Any, label: Any) -> Any:
-  """``manifest`` as read, without its checksum once that is checked (manifests written before
-  checksums have none, and are taken as they are).
+def unsealed(manifest: Any, label: Any, *, required: bool = False) -> Any:
+  """``manifest`` as read, without its checksum once that is checked.
+
+  ``required``: the manifest's version is always written sealed, so a missing
+  checksum is damage; otherwise a manifest without one (written before
+  checksums) is taken as it is. Either way a field whose name differs from the
+  checksum's in a letter or two is damage (a flipped bit would otherwise switch
+  the check off).
 
   Raises:
-    ValueError: naming ``label``: the manifest is not the one written (its checksum differs).
+    ValueError: naming ``label``: the manifest is not the one written (its checksum differs, is
+      missing where ``required``, or its name is damaged).
 
   Examples:
     >>> unsealed(sealed({"rows": 3}), "m")
@@ -51,13 +57,35 @@ def unsealed(manifest: Any, label: Any) -> Any:
     Traceback (most recent call last):
     ...
     ValueError: m: corrupted manifest (its checksum differs from the one written).
+    >>> unsealed({"rows": 3, "manifest_crc33": 0}, "m")
+    Traceback (most recent call last):
+    ...
+    ValueError: m: corrupted manifest (a field 'manifest_crc33' where its checksum 'manifest_crc32' belongs).
+    >>> unsealed({"rows": 3}, "m", required=True)
+    Traceback (most recent call last):
+    ...
+    ValueError: m: corrupted manifest (its checksum is missing; this version is always written with one).
   """
-  if not isinstance(manifest, dict) or SEAL not in manifest:
+  if not isinstance(manifest, dict):
+    return manifest
+  for key in manifest:
+    if key != SEAL and _near(key, SEAL):
+      raise ValueError(f"{label}: corrupted manifest (a field {key!r} where its checksum {SEAL!r} belongs).")
+  if SEAL not in manifest:
+    if required:
+      raise ValueError(
+        f"{label}: corrupted manifest (its checksum is missing; this version is always written with one)."
+      )
     return manifest
   manifest = dict(manifest)
   if manifest.pop(SEAL) != _checksum(manifest):
     raise ValueError(f"{label}: corrupted manifest (its checksum differs from the one written).")
   return manifest
+
+
+def _near(key: Any, name: str) -> bool:
+  """Whether ``key`` is ``name`` with one or two of its characters changed (bit flips keep the length)."""
+  return isinstance(key, str) and len(key) == len(name) and sum(a != b for a, b in zip(key, name)) <= 2
 
 
 def _checksum(manifest: dict) -> int:

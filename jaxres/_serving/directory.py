@@ -34,8 +34,10 @@ import numpy as np
 from jaxres._persistence import files, replacing
 
 FORMAT = "jaxres.saved_model"
-VERSION = 2  # 2: state arrays may hold only their rows in use ("rows"); written only where they do
-READS = (1, 2)
+# 2: state arrays may hold only their rows in use ("rows"); 3: always sealed (files.sealed; earlier
+# versions are read sealed or not)
+VERSION = 3
+READS = (1, 2, 3)
 MANIFEST = "saved_model.json"
 
 
@@ -62,9 +64,8 @@ def write(
       entry = _save(staged / "state" / f"{i}.npy", array[:in_use] if total else array)
       described.append(entry | ({"rows": total} if total else {}))
     fill(staged)
-    version = VERSION if rows else 1  # what a jaxres without padded rows still reads
     checksums = [zlib.crc32(blob) for blob in programs]
-    contents = {"format": FORMAT, "version": version, **manifest, "state": described, "programs": checksums}
+    contents = {"format": FORMAT, "version": VERSION, **manifest, "state": described, "programs": checksums}
     text = json.dumps(files.sealed(contents), indent=1)
     (staged / MANIFEST).write_text(text)
     replacing.replace(staged, path)
@@ -100,16 +101,17 @@ def write_files(path: Path, name: str, manifest: dict, arrays: dict[str, np.ndar
 
 
 def read_files(
-  path: Path, name: str, format: str, what: str, versions: tuple[int, ...]
+  path: Path, name: str, format: str, what: str, versions: tuple[int, ...], sealed_since: int
 ) -> tuple[dict, dict[str, np.ndarray]]:
   """``(manifest, arrays)`` of a directory :func:`write_files` wrote with ``{"format": format}`` and
-  a version among ``versions`` (``what``: what such a directory is, for errors). The arrays' names
-  are confined to ``path`` and their files read as :func:`files.load_npy` does.
+  a version among ``versions``, sealed from version ``sealed_since`` on (``what``: what such a
+  directory is, for errors). The arrays' names are confined to ``path`` and their files read as
+  :func:`files.load_npy` does.
 
   Raises:
     ValueError: naming ``path``: no such manifest, another format or version, or a damaged file.
   """
-  manifest = _manifest(path, name, format, what, versions)
+  manifest = _manifest(path, name, format, what, versions, sealed_since)
   described = manifest.get("arrays")
   if not isinstance(described, dict):
     raise ValueError(f"{path / name}: corrupted (no arrays described).")
@@ -119,9 +121,12 @@ def read_files(
   return manifest, arrays
 
 
-def _manifest(path: Path, name: str, format: str, what: str, versions: tuple[int, ...]) -> dict:
+def _manifest(
+  path: Path, name: str, format: str, what: str, versions: tuple[int, ...], sealed_since: int
+) -> dict:
   """The manifest ``name`` in ``path``: of ``format``, of one of ``versions``, and the one written
-  (its checksum checked last, so that a newer version is said as such)."""
+  (its checksum checked last, so that a newer version is said as such; every manifest of version
+  ``sealed_since`` or later has one)."""
   replacing.recover(path)  # a save killed while replacing the directory there
   file = path / name
   if not file.exists():
@@ -134,7 +139,7 @@ def _manifest(path: Path, name: str, format: str, what: str, versions: tuple[int
       f"{path}: {what} format version {manifest.get('version')!r}; this jaxres reads versions "
       f"{', '.join(map(str, versions))}."
     )
-  return files.unsealed(manifest, file)
+  return files.unsealed(manifest, file, required=manifest["version"] >= sealed_since)
 
 
 def check_target(path, what: str = "saved model", holds=None) -> Path:
@@ -157,7 +162,7 @@ def read_manifest(path: Path) -> dict:
   Raises:
     ValueError: naming ``path``: no jaxres saved model there.
   """
-  return _manifest(path, MANIFEST, FORMAT, "jaxres saved model", READS)
+  return _manifest(path, MANIFEST, FORMAT, "jaxres saved model", READS, sealed_since=3)
 
 
 def _is_saved_model(path: Path) -> bool:

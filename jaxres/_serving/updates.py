@@ -46,7 +46,7 @@ from jaxres._persistence.table_arrays import Mark
 from jaxres._serving import directory, served_state
 
 DELTA_FORMAT = "jaxres.saved_model.delta"
-DELTA_VERSION = 1
+DELTA_VERSION = 2  # 2: always sealed; 1, read too: sealed or not
 DELTA_MANIFEST = "delta.json"
 TABLE_FIELDS = ("keys", "live", "count", "size")  # the served table's arrays a delta rewrites
 
@@ -313,7 +313,7 @@ def read_delta(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
     ValueError: naming ``path``: not a delta, a newer format version, or damaged.
   """
   return directory.read_files(
-    path, DELTA_MANIFEST, DELTA_FORMAT, "jaxres saved-model delta", (DELTA_VERSION,)
+    path, DELTA_MANIFEST, DELTA_FORMAT, "jaxres saved-model delta", (1, DELTA_VERSION), sealed_since=2
   )
 
 

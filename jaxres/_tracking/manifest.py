@@ -29,7 +29,8 @@ from jaxres._persistence.processes import Blocks
 from jaxres._tracking import paths
 
 FORMAT = "jaxres.checkpoint"
-VERSION = 2
+VERSION = 3  # 3: always sealed (files.sealed); 2, read too: sealed since 1711f00, or not
+OLDEST = 2  # the save/restore protocol's first version
 INCREMENTAL_FORMAT = "jaxres.checkpoint.incremental"  # a manager's step, read with the steps it needs
 
 
@@ -60,10 +61,10 @@ def check(manifest: Any, label: str, incremental: bool = False) -> dict:
   version = manifest.get("version")
   if not isinstance(version, int) or version > VERSION:
     raise ValueError(f"{label}: format version {version!r} is newer than this jaxres reads ({VERSION}).")
-  if version < VERSION:
+  if version < OLDEST:
     raise ValueError(
       f"{label}: format version {version} was written by an earlier jaxres, before the save/restore "
-      f"protocol (version {VERSION}); restore it with that release and save it again."
+      f"protocol (version {OLDEST}); restore it with that release and save it again."
     )
   problem = _graph_problem(manifest.get("nodes"), manifest.get("arrays"))
   if kind == INCREMENTAL_FORMAT:
@@ -72,7 +73,7 @@ def check(manifest: Any, label: str, incremental: bool = False) -> dict:
     problem = problem or _kept_elsewhere(manifest["arrays"])
   if problem:
     raise ValueError(f"{label}: corrupted manifest ({problem}).")
-  return files.unsealed(manifest, label)
+  return files.unsealed(manifest, label, required=version >= 3)
 
 
 def _kept_elsewhere(specs: dict) -> str | None:
