@@ -177,6 +177,18 @@ def reachable_windows(rows: int, capacity: int) -> tuple[int, ...]:
   return AUTO_WINDOWS[: 1 + sum(rows >= n for n in _least_counts(capacity))]
 
 
+def _distinct_windows(layout: Layout, widths: tuple[int, ...]) -> tuple[int, ...]:
+  """The leading ``widths`` up to the first that covers every bucket: wider ones choose as it does.
+
+  Examples:
+    >>> from jaxres._core.storages.open_addressing.buckets import Layout
+    >>> _distinct_windows(Layout(num_buckets=4, bucket_size=8, num_words=1), (1, 2, 4, 8, 16))
+    (1, 2, 4)
+  """
+  covering = [w >= layout.num_buckets for w in widths]
+  return widths[: covering.index(True) + 1] if any(covering) else widths
+
+
 def _least_counts(capacity: int) -> list[int]:
   """The fewest keys that must evict for each window of :data:`AUTO_WINDOWS` past the first."""
   share = constants.AUTO_EVICTION_SHARE
@@ -258,9 +270,12 @@ def _evict_reference(
   # Per-call windows: each round switches on the window for the choice alone, which reads the table
   # and writes none of it, so that no branch holds a copy of the records.
   # A call of n rows holds the branches its count of pending keys can reach (a batch far below the
-  # capacity: window 1 alone, no switch).
-  reachable = (window,) if window is not None else reachable_windows(n, capacity)
-  per_call = None if len(reachable) == 1 else auto_window(jnp.sum(pending, dtype=jnp.int32), capacity)
+  # capacity: window 1 alone, no switch), and one for all windows of at least every bucket (they
+  # choose alike: a key's candidates, in the order they rank, are then its buckets from home on).
+  reachable = (window,) if window is not None else _distinct_windows(layout, reachable_windows(n, capacity))
+  per_call = None
+  if len(reachable) > 1:
+    per_call = jnp.minimum(auto_window(jnp.sum(pending, dtype=jnp.int32), capacity), len(reachable) - 1)
 
   def choose(flat, scores, floors, row_words, home):
     if per_call is None:
