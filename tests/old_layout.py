@@ -16,6 +16,7 @@ import optax
 from flax import nnx
 
 import jaxres as jr
+from jaxres._core.storages import registry
 
 KEYS = (np.arange(60, dtype=np.int64) * 7919 - 2**40) * np.array([1, -1] * 30)  # exact 64-bit keys
 
@@ -25,16 +26,24 @@ def mesh_of(num_devices: int):
 
 
 class Model(nnx.Module):
-  def __init__(self, devices: int):
+  def __init__(self, devices: int, storage: str = registry.DEFAULT):
     room = 2 if devices > 2 else 1  # more shards than written: room for keys the shards share unevenly
     mesh = mesh_of(devices) if devices > 1 else None
     sharding = dict(mesh=mesh, axis="shard") if mesh is not None else {}
     self.emb = jr.DynamicEmbedding(
-      40, 4, optimizer=optax.adam(1e-2), eviction=jr.LRU(), min_count=2, rngs=nnx.Rngs(0), **sharding
+      40,
+      4,
+      optimizer=optax.adam(1e-2),
+      eviction=jr.LRU(),
+      min_count=2,
+      rngs=nnx.Rngs(0),
+      storage=storage,
+      **sharding,
     )
+    items = jr.TableConfig(24 * room, 4, optimizer=optax.adagrad(0.1), eviction=jr.LFU(), storage=storage)
     tables = {
-      "items": jr.TableConfig(24 * room, 4, optimizer=optax.adagrad(0.1), eviction=jr.LFU()),
-      "users": jr.TableConfig(32, 2, optimizer=optax.sgd(0.1), key=jnp.int32),
+      "items": items,
+      "users": jr.TableConfig(32, 2, optimizer=optax.sgd(0.1), key=jnp.int32, storage=storage),
     }
     features = {
       "item": jr.FeatureConfig("items"),
@@ -44,22 +53,24 @@ class Model(nnx.Module):
     self.collection = jr.EmbeddingCollection(tables, features, rngs=nnx.Rngs(1), **sharding)
 
 
-def build(devices: int) -> jr.AutoTrackable:
+def build(devices: int, storage: str = registry.DEFAULT) -> jr.AutoTrackable:
   """The graph, its sharded parts over ``devices`` devices (written with 2; restored onto 1, 2 and 4,
-  where full evicting tables are made twice as large: 4 shards do not share their keys evenly)."""
+  where full evicting tables are made twice as large: 4 shards do not share their keys evenly), every
+  table of the ``storage`` kind (written with open addressing)."""
   room = 2 if devices > 2 else 1
+  kind = registry.storage(storage)
   root = jr.AutoTrackable()
   value = {"a": jnp.float32, "b": jax.ShapeDtypeStruct((2,), jnp.int32)}
-  root.lru = jr.OpenAddressingTable.create(24, key=jnp.int64, value=value, eviction=jr.LRU())
-  root.plain = jr.OpenAddressingTable.create(100, key=jnp.int32, value=jnp.float32, default=-1.0)
+  root.lru = kind.create(24, key=jnp.int64, value=value, eviction=jr.LRU())
+  root.plain = kind.create(100, key=jnp.int32, value=jnp.float32, default=-1.0)
   if devices > 1:
     root.sharded = jr.ShardedTable.create(
-      mesh_of(devices), "shard", 64 * room, key=jnp.int64, value=jnp.float32, eviction=jr.LFU()
+      mesh_of(devices), "shard", 64 * room, key=jnp.int64, value=jnp.float32, storage=kind, eviction=jr.LFU()
     )
   else:
-    root.sharded = jr.OpenAddressingTable.create(64, key=jnp.int64, value=jnp.float32, eviction=jr.LFU())
-  root.table = jr.MutableHashTable(np.int64, np.float32, default_value=0.0)
-  root.model = Model(devices)
+    root.sharded = kind.create(64, key=jnp.int64, value=jnp.float32, eviction=jr.LFU())
+  root.table = jr.MutableHashTable(np.int64, np.float32, default_value=0.0, storage=storage)
+  root.model = Model(devices, storage)
   return root
 
 

@@ -64,10 +64,14 @@ def _whole_export(obj, path, signatures=SIGNATURES):
   return jr.saved_model.load(path)
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["one_table", "sharded"])
-def test_a_model_updated_by_deltas_answers_as_one_exported_at_that_step(sharded, tmp_path):
+@pytest.mark.parametrize(
+  "sharded, storage",
+  [(False, "open_addressing"), (True, "open_addressing"), (False, "lean")],
+  ids=["one_table", "sharded", "lean"],
+)
+def test_a_model_updated_by_deltas_answers_as_one_exported_at_that_step(sharded, storage, tmp_path):
   options = {"mesh": mesh_of(4), "axis": "shard"} if sharded else {}
-  trainer = Trainer(Model(capacity=64, **options))
+  trainer = Trainer(Model(capacity=64, storage=storage, **options))
   trainer.train(3)
   jr.saved_model.save(trainer.model, tmp_path / "export", SIGNATURES, updatable=True, step=3, platforms=CPU)
   served = jr.saved_model.load(tmp_path / "export")

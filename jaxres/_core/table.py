@@ -787,6 +787,16 @@ class Table(RowProtocol):
     """
     return None
 
+  @property
+  def slot_kind(self) -> str | None:
+    """The storage kind whose placement the slots of :attr:`slot_layout` follow (its name in
+    ``jr.MutableHashTable(storage=...)``), or ``None`` without a layout.
+
+    Saved entries go back to their slots (:meth:`placed`) only in a table of the same kind and
+    layout: another kind's lookups search elsewhere, even where the two layouts' numbers agree.
+    """
+    return None
+
   def placed(self, keys, values, scores, slots) -> Table:
     """An empty table like this one holding the entries at ``slots``, as :meth:`live_entries` gave them.
 

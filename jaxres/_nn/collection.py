@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 
 from jaxres._core import display, memory
 from jaxres._core.policies import LRFU
+from jaxres._core.storages import registry
 from jaxres._errors import check_int
 from jaxres._nn import pooling
 from jaxres._nn.embedding import DynamicEmbedding
@@ -47,6 +48,7 @@ class TableConfig:
     initializer: ``initializer(key, shape, dtype)`` of new rows (``None``:
       ``DynamicEmbedding``'s, ``normal(0.01)``).
     oov_buckets: shared rows read (and trained) by ids without a row of their own.
+    storage: the table's storage kind, ``"open_addressing"`` (the default) or ``"lean"``.
 
   Examples:
     >>> import optax, jaxres as jr
@@ -66,12 +68,14 @@ class TableConfig:
   admission_capacity: int | None = dataclasses.field(default=None, kw_only=True)
   initializer: Callable | None = dataclasses.field(default=None, kw_only=True)
   oov_buckets: int = dataclasses.field(default=0, kw_only=True)
+  storage: str = dataclasses.field(default=registry.DEFAULT, kw_only=True)
 
   def __post_init__(self):
     check_int(self.capacity, "capacity", low=1)
     check_int(self.features, "features", low=1)
     check_int(self.min_count, "min_count", low=1)
     check_int(self.oov_buckets, "oov_buckets", low=0)
+    registry.writable(self.storage)
 
   def _embedding_options(self) -> dict[str, Any]:
     """The arguments of the table's :class:`jaxres.DynamicEmbedding` (but rngs, mesh and axis)."""

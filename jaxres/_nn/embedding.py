@@ -159,6 +159,10 @@ class DynamicEmbedding(nnx.Module):
       state starts afresh, as a new row's does. Without it such a
       checkpoint is a ``TypeError`` saying so.
     name: how messages name the embedding (default: its ``repr``).
+    storage: the table's storage kind: ``"open_addressing"`` (the default) or
+      ``"lean"`` (the slot is the row: 17 bytes a slot beyond the row and its
+      optimizer state, with eviction; not yet the default). A checkpoint of
+      one kind restores into the other (its ids inserted anew).
 
   Examples:
     >>> import numpy as np, optax, jaxres as jr
@@ -208,8 +212,10 @@ class DynamicEmbedding(nnx.Module):
     restore_rows_only: bool = False,
     oov_buckets: int = 0,
     name: str | None = None,
+    storage: str = registry.DEFAULT,
   ):
     capacity = check_capacity(capacity)
+    storage_class = registry.writable(storage)
     ids = _id_codec(key, max_length)
     oov_buckets = check_int(oov_buckets, "oov_buckets", low=0)
     features = check_int(features, "features", low=1)
@@ -238,12 +244,17 @@ class DynamicEmbedding(nnx.Module):
     value = {"row": jax.ShapeDtypeStruct((features,), jnp.float32), "slots": optimizer.slots}
     default = jax.tree.map(lambda _: 0, value)
     if mesh is None:
-      table = registry.default().create(
-        capacity, key=ids.spec, value=value, default=default, eviction=eviction
-      )
+      table = storage_class.create(capacity, key=ids.spec, value=value, default=default, eviction=eviction)
     else:
       table = ShardedTable.create(
-        mesh, axis, capacity, key=ids.spec, value=value, default=default, eviction=eviction
+        mesh,
+        axis,
+        capacity,
+        key=ids.spec,
+        value=value,
+        default=default,
+        storage=storage_class,
+        eviction=eviction,
       )
     mesh = None if mesh is None else table.mesh  # the table's: its axes in Auto mode, as jit returns
     self._spec = Spec(optimizer, initializer, min_count, mesh)

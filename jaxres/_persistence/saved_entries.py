@@ -23,12 +23,17 @@ entries changed since an earlier save, in the same names, and ``live``: which
 slots hold an entry now, as packed bits; :func:`compose` applies it to the
 arrays of that earlier save.
 
-An open-addressing table also stores where each entry sits (``slots``,
-``int32[n]``) and the shape those numbers refer to (``layout``). Restored
-into a table of that same shape, the entries go back to their slots, so the
-table is the one saved, not merely one with the same contents: which entry a
-full table evicts depends on where entries sit, and a resumed run evicts
-exactly as the uninterrupted one did.
+A table that places keys by hashing (open addressing, lean) also stores
+where each entry sits (``slots``, ``int32[n]``), the shape those numbers refer
+to (``layout``) and the storage kind that placed them (``layout_kind``: its
+registered name as ASCII bytes; checkpoints written before it was kept were
+all open addressing, and read as such). Restored into a table of that same
+kind and shape, the entries go back to their slots, so the table is the one
+saved, not merely one with the same contents: which entry a full table evicts
+depends on where entries sit, and a resumed run evicts exactly as the
+uninterrupted one did. Into any other table they are inserted anew: slots of
+one kind are not where another kind's lookups search, even where the two
+layouts' numbers agree.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ _SHARD = re.compile(r"shards/(\d+)/(.+)")
 Entries = tuple[np.ndarray, list[np.ndarray], np.ndarray | None, np.ndarray | None]
 _COUNTERS = ("clock", "evictions")
 _LAYOUT = "layout"
+_KIND = "layout_kind"
+_OLDEST_KIND = "open_addressing"  # the kind of slots saved before the kind was (every one of them)
 _LIVE = "live"
 _PER_ENTRY = ("keys", "values", "scores", "slots")
 _COUNTS = "counts"
@@ -67,6 +74,7 @@ class Saved(NamedTuple):
   scores: np.ndarray | None
   counters: dict
   layout: np.ndarray | None  # the shape ``slots`` refer to
+  layout_kind: str | None  # the storage kind that placed the entries at ``slots``
   slots: list[np.ndarray] | None  # per shard, in the order of ``keys``
   complete: bool = True  # False: other processes read the other shards' entries
   shards: tuple[int, ...] = (0,)  # the saved shards these are, in order
@@ -85,12 +93,21 @@ def field_of(name: str) -> str:
 
 
 def to_arrays(
-  entries: Entries, value_spec: ValueSpec, counters: dict | None = None, layout=None
+  entries: Entries, value_spec: ValueSpec, counters: dict | None = None, layout=None, kind: str | None = None
 ) -> dict[str, np.ndarray]:
   """The named arrays of a table's entries.
 
   ``counters``: the ``clock`` and ``evictions`` of a table with an eviction
-  policy; ``layout``: the shape the entries' slots refer to, if kept.
+  policy; ``layout``: the shape the entries' slots refer to, if kept, and
+  ``kind`` the storage kind that placed them (its registered name).
+
+  Examples:
+    >>> import numpy as np
+    >>> from jaxres._core.encoding.value_specs import ValueSpec
+    >>> entries = (np.array([7]), [np.array([1.5], np.float32)], None, np.array([3]))
+    >>> arrays = to_arrays(entries, ValueSpec.parse(np.float32), layout=[1, 2, 4], kind="lean")
+    >>> sorted(arrays), bytes(arrays["layout_kind"])
+    (['keys', 'layout', 'layout_kind', 'slots', 'values'], b'lean')
   """
   keys, leaves, scores, slots = entries
   out = {name: np.asarray(value) for name, value in (counters or {}).items()}
@@ -102,15 +119,16 @@ def to_arrays(
     out["slots"] = np.asarray(slots, np.int32)
   if layout is not None:
     out[_LAYOUT] = np.asarray(layout, np.int64)
+    out[_KIND] = np.frombuffer(kind.encode("ascii"), np.uint8).copy()
   return out
 
 
 def delta_to_arrays(
-  entries: Entries, live: np.ndarray, value_spec: ValueSpec, counters: dict | None, layout
+  entries: Entries, live: np.ndarray, value_spec: ValueSpec, counters: dict | None, layout, kind: str
 ) -> dict[str, np.ndarray]:
   """The named arrays of a delta: the changed ``entries`` (with their slots) and ``live``
   (``bool[num_slots]``, the slots holding an entry now)."""
-  return to_arrays(entries, value_spec, counters, layout) | {_LIVE: np.packbits(live)}
+  return to_arrays(entries, value_spec, counters, layout, kind) | {_LIVE: np.packbits(live)}
 
 
 def delta_to_blocks(
@@ -156,7 +174,7 @@ def compose(earlier: dict[str, np.ndarray], delta: dict[str, np.ndarray]) -> dic
     raise ValueError(
       f"a delta with arrays {sorted(delta)} does not follow a save of arrays {sorted(earlier)} (corrupted)."
     )
-  if not np.array_equal(earlier.get(_LAYOUT), delta.get(_LAYOUT)):
+  if not np.array_equal(earlier.get(_LAYOUT), delta.get(_LAYOUT)) or _kind_of(earlier) != _kind_of(delta):
     raise ValueError("a delta of another slot layout than the save it follows (corrupted).")
   if _COUNTS not in delta:
     fields = [name for name in delta if field_of(name) in _PER_ENTRY]
@@ -220,9 +238,10 @@ def to_blocks(blocks: dict, counts: np.ndarray, key_spec: KeySpec, value_spec: V
       ``"slots"``: arrays ``[shards, width, ...]`` (global arrays on several
       processes), each row a shard's live entries first.
     counts: ``int[shards]``, each shard's live entries.
-    extra: ``counters`` and ``layout`` as for :func:`to_arrays`.
+    extra: ``counters``, ``layout`` and ``kind`` as for :func:`to_arrays`.
   """
-  out = to_arrays(_prototype(key_spec, value_spec), value_spec, extra.get("counters"), extra.get("layout"))
+  prototype = _prototype(key_spec, value_spec)
+  out = to_arrays(prototype, value_spec, extra.get("counters"), extra.get("layout"), extra.get("kind"))
   out[_COUNTS] = np.asarray(counts, np.int32)
   out[_BLOCK + "keys"] = blocks["keys"]
   out |= {_BLOCK + name: leaf for name, leaf in zip(value_names(value_spec), blocks["values"])}
@@ -281,7 +300,7 @@ def _by_shard(arrays) -> dict[int, dict]:
   """``{shard: {field: rows}}`` of arrays named ``keys``, ``values...`` (shard -1) or ``shards/<i>/...``."""
   shards: dict[int, dict[str, np.ndarray]] = {}
   for name, array in arrays.items():
-    if name in (*_COUNTERS, _LAYOUT):
+    if name in (*_COUNTERS, _LAYOUT, _KIND):
       continue
     match = _SHARD.fullmatch(name)
     index, field = (int(match[1]), match[2]) if match else (-1, name)
@@ -306,7 +325,7 @@ def from_arrays(arrays, key_spec: KeySpec, value_spec: ValueSpec) -> Saved:
   """The :class:`Saved` entries of :func:`to_arrays` output, checked against the specs.
 
   ``scores`` is ``None`` and ``counters`` empty for a table saved without an
-  eviction policy; ``layout`` and ``slots`` are ``None`` unless saved.
+  eviction policy; ``layout``, ``layout_kind`` and ``slots`` are ``None`` unless saved.
 
   Raises:
     TypeError: the arrays are not those of a table (other names).
@@ -347,6 +366,22 @@ def from_arrays(arrays, key_spec: KeySpec, value_spec: ValueSpec) -> Saved:
   ):
     raise ValueError("slots: the checkpoint's slot numbers do not match its keys (corrupted).")
   layout = np.asarray(arrays[_LAYOUT]) if placed else None
+  kind = _kind_of(arrays) if placed else None
   values = jax.tree.unflatten(value_spec.treedef, leaves)
   held = tuple(max(i, 0) for i in sorted(shards))  # one set of entries (no prefix) is shard 0
-  return Saved(keys, values, scores, counters, layout, slots, complete, held)
+  return Saved(keys, values, scores, counters, layout, kind, slots, complete, held)
+
+
+def _kind_of(arrays) -> str | None:
+  """The storage kind that placed the saved slots (:data:`_OLDEST_KIND` where not recorded), or
+  ``None`` for arrays without a layout."""
+  if _LAYOUT not in arrays:
+    return None
+  if _KIND not in arrays:
+    return _OLDEST_KIND
+  name = np.asarray(arrays[_KIND])
+  if name.dtype != np.uint8 or name.ndim != 1 or not 0 < name.size <= 64 or not np.all(name < 128):
+    raise ValueError(
+      f"{_KIND}: expected a storage kind's ASCII name, got {name.dtype}{list(name.shape)} (corrupted)."
+    )
+  return name.tobytes().decode("ascii")

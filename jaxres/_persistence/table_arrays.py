@@ -41,7 +41,8 @@ KIND = "table"  # the kind saved with a table: stateful and functional tables' c
 @functools.singledispatch
 def to_arrays(table: Table) -> dict[str, np.ndarray]:
   """The live entries of ``table`` as named host arrays (:mod:`saved_entries`), keys in their exact dtype."""
-  return saved_entries.to_arrays(table.live_entries(), table.value_spec, _counters(table), table.slot_layout)
+  entries, layout, kind = table.live_entries(), table.slot_layout, table.slot_kind
+  return saved_entries.to_arrays(entries, table.value_spec, _counters(table), layout, kind)
 
 
 @to_arrays.register
@@ -50,8 +51,13 @@ def _(table: ShardedTable) -> dict:
   counts = processes.replicated(table.shards.size)
   blocks = table.shard_entries(max(1, int(counts.max())))
   return saved_entries.to_blocks(
-    blocks, counts, table.key_spec, table.value_spec, counters=_counters(table), layout=table.slot_layout
+    blocks, counts, table.key_spec, table.value_spec, **_placement(table), counters=_counters(table)
   )
+
+
+def _placement(table: Table) -> dict:
+  """What saved slots refer to: the table's ``layout`` and the storage ``kind`` that placed them."""
+  return {"layout": table.slot_layout, "kind": table.slot_kind}
 
 
 @functools.singledispatch
@@ -76,6 +82,7 @@ class Mark(NamedTuple):
 
   version: int
   layout: tuple[int, ...]
+  kind: str  # the storage kind whose slots ``layout`` numbers
 
 
 def changes(table: Table, since: Mark | None) -> tuple[Mark | None, dict[str, np.ndarray] | None]:
@@ -100,7 +107,7 @@ def _delta(table: Table, version: int) -> dict[str, np.ndarray] | None:
   if delta is None:
     return None
   return saved_entries.delta_to_arrays(
-    delta.entries, delta.live, table.value_spec, _counters(table), table.slot_layout
+    delta.entries, delta.live, table.value_spec, _counters(table), table.slot_layout, table.slot_kind
   )
 
 
@@ -115,17 +122,18 @@ def _(table: ShardedTable, version: int) -> dict | None:
   counts = processes.replicated(counts)
   width = max(1, 1 << max(0, int(counts.max()) - 1).bit_length())
   blocks = table.changed_entries(version, width)
-  counters, layout = _counters(table), table.slot_layout
   return saved_entries.delta_to_blocks(
-    blocks, counts, live, table.key_spec, table.value_spec, counters=counters, layout=layout
+    blocks, counts, live, table.key_spec, table.value_spec, **_placement(table), counters=_counters(table)
   )
 
 
 def _marked(table: Table, since: Mark | None) -> tuple[Mark, bool]:
-  """The table's mark now, and whether it follows ``since``: the same slot layout, and a version
-  not below it (a table made anew starts again from 0)."""
-  mark = Mark(int(jax.device_get(table.version)), tuple(int(x) for x in table.slot_layout))
-  return mark, since is not None and since.layout == mark.layout and since.version <= mark.version
+  """The table's mark now, and whether it follows ``since``: the same slot layout and kind, and a
+  version not below it (a table made anew starts again from 0)."""
+  layout = tuple(int(x) for x in table.slot_layout)
+  mark = Mark(int(jax.device_get(table.version)), layout, table.slot_kind)
+  same = since is not None and (since.layout, since.kind) == (mark.layout, mark.kind)
+  return mark, same and since.version <= mark.version
 
 
 def from_arrays(table: Table, arrays) -> Table:
@@ -133,7 +141,8 @@ def from_arrays(table: Table, arrays) -> Table:
 
   Scores and the clock are restored when both the checkpoint and the table
   keep them; entries saved without scores are scored as inserted now. A
-  table of the saved slot layout gets each entry back in its slot.
+  table of the saved slot layout and storage kind gets each entry back in
+  its slot; any other has them inserted.
 
   Raises:
     TypeError: ``arrays`` are not a table's.
@@ -148,6 +157,7 @@ def from_arrays(table: Table, arrays) -> Table:
     and (saved.scores is not None) == keep
     and len(saved.keys) <= table.capacity
     and np.array_equal(saved.layout, table.slot_layout)
+    and saved.layout_kind == table.slot_kind
   )
   if same:
     restored = _placed(table, saved)

@@ -120,11 +120,16 @@ def table_rows(table: Table, since: Mark | None, served: list[bool]) -> tuple[Ma
 
 
 def _mark_json(mark: Mark | None):
-  return None if mark is None else {"version": mark.version, "layout": list(mark.layout)}
+  return None if mark is None else {"version": mark.version, "layout": list(mark.layout), "kind": mark.kind}
 
 
 def _mark(entry) -> Mark | None:
-  return None if entry is None else Mark(int(entry["version"]), tuple(int(x) for x in entry["layout"]))
+  if entry is None:
+    return None
+  # Exports written before marks kept the kind were all of open addressing tables.
+  return Mark(
+    int(entry["version"]), tuple(int(x) for x in entry["layout"]), entry.get("kind", "open_addressing")
+  )
 
 
 def _digest(x) -> str:
@@ -267,12 +272,14 @@ def write_delta(obj, path: Path, since: Path, step: int) -> None:
   for t, (table, record) in enumerate(zip(tables, parent["tables"], strict=True)):
     version = int(jax.device_get(table.version))
     mark = _mark(record["mark"]) if follows else None
-    layout = None if table.slot_layout is None else tuple(int(x) for x in table.slot_layout)
+    layout = (
+      None if table.slot_layout is None else (tuple(int(x) for x in table.slot_layout), table.slot_kind)
+    )
     alike = len(table.value_spec.leaves) == len(record["values"])
     if table.key_spec.num_words != record["key_words"] or not alike:
       raise ValueError(f"obj: the table at {record['path']} has other keys or values than the one served.")
     record = dict(record, version=version)
-    same_layout = layout == (None if record["mark"] is None else tuple(record["mark"]["layout"]))
+    same_layout = layout == (None if mark is None else (mark.layout, mark.kind))
     if follows and version == parent["tables"][t]["version"] and same_layout:
       kinds.append("same")
     else:

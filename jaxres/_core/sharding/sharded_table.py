@@ -440,6 +440,10 @@ class ShardedTable(Table):
     shape = self.shards.slot_layout
     return None if shape is None else np.array([self.num_shards, *shape[1:]])
 
+  @property
+  def slot_kind(self):
+    return self.shards.slot_kind
+
   def shard_entries(self, width: int) -> dict:
     """Each shard's live entries first, in ``[shards, width, ...]`` arrays split over the mesh axis.
 

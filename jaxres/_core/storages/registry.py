@@ -35,6 +35,7 @@ __all__ = [
   "Storage",
   "default",
   "storage",
+  "writable",
 ]
 
 # "lean": the slot is the row (issue 66); reads in CPU kernels, writes on the XLA path; not the default.
@@ -71,6 +72,27 @@ def storage(name: str, argument: str = "storage") -> type[Storage]:
   if name not in STORAGES:
     raise ValueError(f"{argument}: expected one of {sorted(STORAGES)}, got {name!r}.")
   return STORAGES[name]
+
+
+def writable(name: str, argument: str = "storage") -> type[Storage]:
+  """:func:`storage`, for a table written every step (embeddings): one whose writes cost O(batch).
+
+  Raises:
+    ValueError: no storage kind of that name, or one whose writes cost O(capacity) (sorted).
+
+  Examples:
+    >>> writable("lean").__name__
+    'LeanTable'
+    >>> writable("sorted")
+    Traceback (most recent call last):
+    ...
+    ValueError: storage: 'sorted' writes in time of its capacity; expected one of ['lean', 'open_addressing'].
+  """
+  table_class = storage(name, argument)
+  if not table_class.BATCH_WRITES:
+    choices = sorted(n for n, c in STORAGES.items() if c.BATCH_WRITES)
+    raise ValueError(f"{argument}: {name!r} writes in time of its capacity; expected one of {choices}.")
+  return table_class
 
 
 def default() -> type[Storage]:

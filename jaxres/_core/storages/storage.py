@@ -82,6 +82,10 @@ class Storage(Table):
   row_stamps: jax.Array  # uint32[num_rows] where entries keep their slots, else uint32[0]
   version: jax.Array  # uint32: calls that changed the table so far
 
+  # Whether a write costs O(batch) (a hashed storage) rather than O(capacity): what a table written
+  # every step needs (an embedding's; see registry.writable).
+  BATCH_WRITES = True
+
   @property
   @abc.abstractmethod
   def num_rows(self) -> int:

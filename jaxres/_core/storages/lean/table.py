@@ -167,6 +167,10 @@ class LeanTable(KeptSlots):
   def slot_layout(self):
     return np.array([1, self.num_buckets, self.bucket_size])  # shards, buckets, slots per bucket
 
+  @property
+  def slot_kind(self) -> str:
+    return "lean"
+
   def placed(self, keys, values, scores, slots):
     empty = self._cleared()._advance()  # every entry newer than any version of this table before
     rows = call_args.prepare(empty, keys, values, scores=scores, explicit_scores=True)

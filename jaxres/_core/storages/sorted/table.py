@@ -58,6 +58,8 @@ class SortedTable(Storage):
     ([10, 20, 30], [1.0, 2.0, 3.0])
   """
 
+  BATCH_WRITES = False  # a write merges the sorted arrays: O(capacity)
+
   keys: jax.Array  # uint32[capacity, num_words], sorted on [0, count)
   live: jax.Array  # bool[capacity]: False for tombstones and unused rows
   count: jax.Array  # shape=(), dtype=int32: sorted rows in use, tombstones included
