@@ -257,7 +257,7 @@ def test_damaged_latest_step_leaves_earlier_steps_restorable(tmp_path):
   reader.close()
 
 
-def test_a_save_killed_between_its_renames_is_recovered(saved, tmp_path):
+def test_a_save_killed_between_its_renames_is_read_there_and_recovered_by_the_next_save(saved, tmp_path):
   path, _ = saved
   retired = tmp_path / ".ckpt.old-x1y2"  # what a save leaves when killed there
   retired.mkdir()
@@ -265,6 +265,8 @@ def test_a_save_killed_between_its_renames_is_recovered(saved, tmp_path):
   fresh = _graph(0)
   jr.Checkpoint(model=fresh).restore(path).assert_consumed()
   assert _snapshot(fresh) == _saved_at(3)
+  assert sorted(os.listdir(tmp_path)) == [".ckpt.old-x1y2", "copy"]  # a reader writes nothing
+  jr.Checkpoint(model=_graph(4)).save(path)
   assert sorted(os.listdir(tmp_path)) == ["ckpt", "copy"]
 
 

@@ -329,8 +329,13 @@ def test_a_save_killed_while_replacing_an_export_is_recovered(tmp_path, monkeypa
     _export(obj, tmp_path / "export")
   monkeypatch.undo()
   assert not (tmp_path / "export").exists()
-  served = jr.saved_model.load(tmp_path / "export")  # the export retired is put back
+  served = jr.saved_model.load(tmp_path / "export")  # the export retired is read where it lies
   assert served.signatures["twice"](x=np.ones(2, np.float32))["output"].tolist() == [2.0, 2.0]
+  assert not (tmp_path / "export").exists()  # a reader writes nothing
+  _export(obj, tmp_path / "export")  # the next save puts it in place, then replaces it
+  served = jr.saved_model.load(tmp_path / "export")
+  assert served.signatures["twice"](x=np.ones(2, np.float32))["output"].tolist() == [3.0, 3.0]
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
 
 
 def test_what_killed_saves_left_is_removed_by_the_next_save_there(tmp_path):

@@ -6,9 +6,12 @@ there. POSIX has no atomic swap of two directories, so an existing one is
 *retired* first (renamed into ``.<name>.old-*``), the new one renamed into
 place, and the retired one removed. A save killed between the two renames
 leaves nothing at the path: :func:`recover` puts the retired one back, and the
-next save or read in that place calls it. :func:`remove_stale` clears the
-temporary and retired directories that killed saves left (``.<name>.saving-*``,
+next save in that place calls it. :func:`remove_stale` clears the temporary and
+retired directories that killed saves left (``.<name>.saving-*``,
 ``.<name>.old-*``), so they do not pile up.
+
+Readers write nothing: :func:`read_whole` reads a directory that another
+process may be replacing meanwhile, all of its files from one save.
 """
 
 from __future__ import annotations
@@ -17,6 +20,11 @@ import glob
 import os
 import shutil
 import tempfile
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 SAVING, OLD = "saving-", "old-"
 
@@ -48,12 +56,75 @@ def recover(path: str) -> None:
   path = os.fspath(path)
   if os.path.exists(path):
     return
+  previous = _retired_copy(path)
+  if previous is not None:
+    os.rename(previous, path)
+    shutil.rmtree(os.path.dirname(previous), ignore_errors=True)
+
+
+READ_ATTEMPTS = 8  # reads of a directory replaced meanwhile, before read_whole gives up
+
+
+def read_whole(path, read: Callable[[str], T], attempts: int = READ_ATTEMPTS) -> T:
+  """``read(directory)`` of the directory at ``path``, every file of it from one save, though
+  another process may replace ``path`` meanwhile (:func:`replace`); nothing is written.
+
+  ``read`` is given ``path``, or where nothing is there (a save between its two renames, or killed
+  there) the retired copy beside it. Where the directory at ``path`` is another one after ``read``
+  than before (replaced: ``read`` may have met files of two saves, or none), ``read`` runs again,
+  up to ``attempts`` times, a little later each time; its errors (``OSError``, ``ValueError``)
+  are raised only when it failed on a directory that stayed in place.
+
+  Raises:
+    OSError: ``path`` was replaced during each of the ``attempts`` reads.
+
+  Examples:
+    >>> import tempfile
+    >>> from pathlib import Path
+    >>> path = Path(tempfile.mkdtemp(), "saved")
+    >>> staged = staging_dir(path)
+    >>> Path(staged, "step").write_text("1")
+    1
+    >>> replace(staged, path)
+    >>> read_whole(path, lambda d: Path(d, "step").read_text())
+    '1'
+  """
+  path = os.fspath(path)
+  for attempt in range(attempts):
+    if attempt:
+      time.sleep(0.005 * 2**attempt)
+    before = _identity(path)
+    where = path if before is not None else (_retired_copy(path) or path)
+    try:
+      result = read(where)
+    except (OSError, ValueError):
+      if _identity(path) != before and attempt + 1 < attempts:
+        continue
+      raise
+    if _identity(path) == before:
+      return result
+  raise OSError(f"{path}: replaced by another process during each of {attempts} reads; read it again later.")
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+  """Which directory is at ``path`` (device and inode), or ``None``: none."""
+  try:
+    stat = os.stat(path)
+  except OSError:
+    return None
+  return (stat.st_dev, stat.st_ino) if os.path.isdir(path) else None
+
+
+def _retired_copy(path: str) -> str | None:
+  """The directory a save retired from ``path`` (:func:`replace`), if one is left beside it."""
   for retired in _beside(path, OLD):
-    previous = [os.path.join(retired, child) for child in sorted(os.listdir(retired))]
+    try:
+      previous = [os.path.join(retired, child) for child in sorted(os.listdir(retired))]
+    except OSError:  # removed meanwhile
+      continue
     if len(previous) == 1 and os.path.isdir(previous[0]):
-      os.rename(previous[0], path)
-      shutil.rmtree(retired, ignore_errors=True)
-      return
+      return previous[0]
+  return None
 
 
 def remove_stale(path: str, keep: tuple[str, ...] = ()) -> None:

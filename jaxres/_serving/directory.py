@@ -110,7 +110,13 @@ def read_files(
 
   Raises:
     ValueError: naming ``path``: no such manifest, another format or version, or a damaged file.
+    OSError: another process replaced ``path`` during each read (see :func:`replacing.read_whole`).
   """
+  read = lambda where: _read_files(Path(where), name, format, what, versions, sealed_since)
+  return replacing.read_whole(path, read)
+
+
+def _read_files(path: Path, name: str, format: str, what: str, versions: tuple[int, ...], sealed_since: int):
   manifest = _manifest(path, name, format, what, versions, sealed_since)
   described = manifest.get("arrays")
   if not isinstance(described, dict):
@@ -127,7 +133,6 @@ def _manifest(
   """The manifest ``name`` in ``path``: of ``format``, of one of ``versions``, and the one written
   (its checksum checked last, so that a newer version is said as such; every manifest of version
   ``sealed_since`` or later has one)."""
-  replacing.recover(path)  # a save killed while replacing the directory there
   file = path / name
   if not file.exists():
     raise ValueError(f"{path}: not a {what} (no {name}).")
@@ -162,7 +167,8 @@ def read_manifest(path: Path) -> dict:
   Raises:
     ValueError: naming ``path``: no jaxres saved model there.
   """
-  return _manifest(path, MANIFEST, FORMAT, "jaxres saved model", READS, sealed_since=3)
+  read = lambda where: _manifest(Path(where), MANIFEST, FORMAT, "jaxres saved model", READS, sealed_since=3)
+  return replacing.read_whole(path, read)
 
 
 def _is_saved_model(path: Path) -> bool:
@@ -176,8 +182,13 @@ def read(path: Path) -> tuple[dict, list[bytes], list[np.ndarray]]:
   Raises:
     ValueError: naming ``path``: not a jaxres export, a newer format version,
       or a damaged file (missing, unreadable, or not the bytes it was saved as).
+    OSError: another process replaced ``path`` during each read (see :func:`replacing.read_whole`).
   """
-  manifest = read_manifest(path)
+  return replacing.read_whole(path, lambda where: _read(Path(where)))
+
+
+def _read(path: Path) -> tuple[dict, list[bytes], list[np.ndarray]]:
+  manifest = _manifest(path, MANIFEST, FORMAT, "jaxres saved model", READS, sealed_since=3)
   signatures, described = manifest.get("signatures"), manifest.get("state")
   if not isinstance(signatures, list) or not isinstance(described, list):
     raise ValueError(f"{path / MANIFEST}: corrupted (no signatures or state described).")

@@ -23,6 +23,8 @@ import shutil
 import time
 from typing import Any
 
+import jax
+
 from jaxres._persistence import files, processes, replacing
 from jaxres._shell.trackable import AutoTrackable
 from jaxres._tracking import manifest, orbax_io, restoring, saving
@@ -138,11 +140,18 @@ class Checkpoint(AutoTrackable):
         its path (nothing is restored then).
     """
     directory = files.directory_path(path)
-    if processes.is_primary():
-      replacing.recover(directory)
-    processes.barrier("jaxres: checkpoint recovered")
-    contents = manifest.check(orbax_io.read_manifest(directory), directory)
-    arrays = orbax_io.load_arrays(directory, contents["arrays"])
+
+    def read(where: str) -> tuple[dict, dict]:
+      contents = manifest.check(orbax_io.read_manifest(where), directory)
+      return contents, orbax_io.load_arrays(where, contents["arrays"])
+
+    if jax.process_count() == 1:  # a save by another process may replace the directory meanwhile
+      contents, arrays = replacing.read_whole(directory, read)
+    else:  # processes read together: the primary puts back what a killed save retired first
+      if processes.is_primary():
+        replacing.recover(directory)
+      processes.barrier("jaxres: checkpoint recovered")
+      contents, arrays = read(directory)
     return restoring.restore(self._root, manifest.Reader(contents, arrays, directory))
 
 

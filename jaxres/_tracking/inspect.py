@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxres._persistence import files
+from jaxres._persistence import files, replacing
 from jaxres._tracking import manifest, orbax_io
 
 
@@ -35,7 +35,8 @@ def inspect_checkpoint(path) -> list[dict]:
     [{'name': 'value', 'shape': [], 'dtype': 'int32'}]
   """
   directory = files.directory_path(path)
-  contents = manifest.check(orbax_io.read_manifest(directory), directory, incremental=True)
+  read = lambda where: manifest.check(orbax_io.read_manifest(where), directory, incremental=True)
+  contents = replacing.read_whole(directory, read)
   specs = contents["arrays"]
   entries = []
   for node_path, node in sorted(contents["nodes"].items()):
