@@ -38,6 +38,7 @@ FORMAT = "jaxres.saved_model"
 # versions are read sealed or not)
 VERSION = 3
 READS = (1, 2, 3)
+SEALED_SINCE = 3  # the first version whose manifests are all sealed (files.sealed): required from it on
 MANIFEST = "saved_model.json"
 
 
@@ -167,8 +168,11 @@ def read_manifest(path: Path) -> dict:
   Raises:
     ValueError: naming ``path``: no jaxres saved model there.
   """
-  read = lambda where: _manifest(Path(where), MANIFEST, FORMAT, "jaxres saved model", READS, sealed_since=3)
-  return replacing.read_whole(path, read)
+  return replacing.read_whole(path, lambda where: _saved_model_manifest(Path(where)))
+
+
+def _saved_model_manifest(path: Path) -> dict:
+  return _manifest(path, MANIFEST, FORMAT, "jaxres saved model", READS, SEALED_SINCE)
 
 
 def _is_saved_model(path: Path) -> bool:
@@ -188,7 +192,7 @@ def read(path: Path) -> tuple[dict, list[bytes], list[np.ndarray]]:
 
 
 def _read(path: Path) -> tuple[dict, list[bytes], list[np.ndarray]]:
-  manifest = _manifest(path, MANIFEST, FORMAT, "jaxres saved model", READS, sealed_since=3)
+  manifest = _saved_model_manifest(path)
   signatures, described = manifest.get("signatures"), manifest.get("state")
   if not isinstance(signatures, list) or not isinstance(described, list):
     raise ValueError(f"{path / MANIFEST}: corrupted (no signatures or state described).")
