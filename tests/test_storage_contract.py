@@ -114,6 +114,12 @@ def test_rows_lie_below_num_rows_and_dropped_writes_change_nothing(name):
 
 
 @pytest.mark.parametrize("name", KINDS)
+def test_saved_slots_name_the_storage_kind_that_placed_them(name):
+  table = _create(name)
+  assert table.slot_kind == (None if table.slot_layout is None else name)
+
+
+@pytest.mark.parametrize("name", KINDS)
 def test_check_slots_takes_distinct_slots_of_distinct_keys(name):
   table = _create(name)
   table = table.insert(np.arange(CAPACITY, dtype=np.int32), np.zeros(CAPACITY, np.float32))

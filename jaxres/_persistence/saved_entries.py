@@ -59,7 +59,7 @@ Entries = tuple[np.ndarray, list[np.ndarray], np.ndarray | None, np.ndarray | No
 _COUNTERS = ("clock", "evictions")
 _LAYOUT = "layout"
 _KIND = "layout_kind"
-_OLDEST_KIND = "open_addressing"  # the kind of slots saved before the kind was (every one of them)
+OLDEST_KIND = "open_addressing"  # the kind of slots saved before the kind was (every one of them)
 _LIVE = "live"
 _PER_ENTRY = ("keys", "values", "scores", "slots")
 _COUNTS = "counts"
@@ -373,12 +373,12 @@ def from_arrays(arrays, key_spec: KeySpec, value_spec: ValueSpec) -> Saved:
 
 
 def _kind_of(arrays) -> str | None:
-  """The storage kind that placed the saved slots (:data:`_OLDEST_KIND` where not recorded), or
+  """The storage kind that placed the saved slots (:data:`OLDEST_KIND` where not recorded), or
   ``None`` for arrays without a layout."""
   if _LAYOUT not in arrays:
     return None
   if _KIND not in arrays:
-    return _OLDEST_KIND
+    return OLDEST_KIND
   name = np.asarray(arrays[_KIND])
   if name.dtype != np.uint8 or name.ndim != 1 or not 0 < name.size <= 64 or not np.all(name < 128):
     raise ValueError(

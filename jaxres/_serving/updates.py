@@ -126,10 +126,8 @@ def _mark_json(mark: Mark | None):
 def _mark(entry) -> Mark | None:
   if entry is None:
     return None
-  # Exports written before marks kept the kind were all of open addressing tables.
-  return Mark(
-    int(entry["version"]), tuple(int(x) for x in entry["layout"]), entry.get("kind", "open_addressing")
-  )
+  layout = tuple(int(x) for x in entry["layout"])  # marks written before the kind was kept: the oldest
+  return Mark(int(entry["version"]), layout, entry.get("kind", saved_entries.OLDEST_KIND))
 
 
 def _digest(x) -> str:
