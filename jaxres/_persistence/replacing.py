@@ -62,6 +62,22 @@ def recover(path: str) -> None:
     shutil.rmtree(os.path.dirname(previous), ignore_errors=True)
 
 
+def remove_until_gone(found: Callable[[], list], settle: float = 0.2, patience: float = 10.0) -> None:
+  """Removes the directories ``found()`` lists until it lists none for ``settle`` seconds (or
+  ``patience`` seconds have passed): what a failed save wrote.
+
+  Orbax reports the first failed write of a save while its others may still be in flight, and
+  those recreate their files; so the directories are removed again until no write brings them back.
+  """
+  deadline = time.monotonic() + patience
+  while True:
+    for directory in found():
+      shutil.rmtree(directory, ignore_errors=True)
+    time.sleep(settle)
+    if not found() or time.monotonic() > deadline:
+      return
+
+
 READ_ATTEMPTS = 8  # reads of a directory replaced meanwhile, before read_whole gives up
 
 

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
-import time
 from typing import Any
 
 import jax
@@ -173,21 +171,9 @@ def _staging(path: str) -> str:
   return staging
 
 
-def _discard(staging: str, settle: float = 0.2, patience: float = 10.0) -> None:
-  """Removes what a failed save wrote (``staging``, and Orbax's temporary directories beside it)
-  until it stays gone for ``settle`` seconds.
-
-  Orbax reports the first failed write while the others may still be in
-  flight, and those recreate their files; so the directories are removed again
-  until no write brings them back (or ``patience`` seconds have passed).
-  """
-  deadline = time.monotonic() + patience
-  while True:
-    for directory in _written(staging):
-      shutil.rmtree(directory, ignore_errors=True)
-    time.sleep(settle)
-    if not _written(staging) or time.monotonic() > deadline:
-      return
+def _discard(staging: str) -> None:
+  """Removes what a failed save wrote: ``staging``, and Orbax's temporary directory beside it."""
+  replacing.remove_until_gone(lambda: _written(staging))
 
 
 def _written(staging: str) -> list[str]:

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxres._persistence import files, processes
+from jaxres._persistence import files, processes, replacing
 from jaxres._persistence.processes import Blocks
 
 ARRAYS_DIR = "arrays"
@@ -287,9 +287,10 @@ class StepStore:
     if not processes.is_primary():  # the process Orbax writes the temporary directories in
       return
     directory = Path(self._manager.directory)
-    for entry in directory.iterdir() if directory.is_dir() else ():
-      if TEMPORARY_SUFFIX in entry.name:
-        shutil.rmtree(entry, ignore_errors=True)
+    # The failed save's writes still in flight recreate what is removed: removed until it stays gone.
+    replacing.remove_until_gone(
+      lambda: [e for e in (directory.iterdir() if directory.is_dir() else ()) if TEMPORARY_SUFFIX in e.name]
+    )
 
   def refresh(self) -> None:
     """Orbax's manager lists the steps on the disk again (for a writer that has just taken the
