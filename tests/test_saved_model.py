@@ -5,6 +5,7 @@ Each served program runs in a child process that cannot import this module
 the original function on the original object in inference mode.
 """
 
+import collections
 import json
 import os
 import subprocess
@@ -219,6 +220,36 @@ def test_an_autotrackable_of_tables_and_arrays(tmp_path):
   assert got.tolist() == [3.25, 5.0, -2.0]
   same_bits(got, jax.jit(root.score)(jr.keys.split64(ids)))
   assert len(root.table) == 2  # the object itself is untouched
+
+
+Stats = collections.namedtuple("Stats", "mean scale")
+
+
+def test_every_kind_checkpoints_hold_is_served_as_its_handle_says(tmp_path):
+  """Serving walks the graph through the tracking layer's handles, as checkpoints do: a named
+  tuple of arrays (a pytree value; the isinstance walk before took it for a tuple of children and
+  could not rebuild it), a jr.Resource in a tuple (served as an NNX module: read-only, inference
+  mode), a functional table in a list, all below an AutoTrackable subclass."""
+
+  class Root(jr.AutoTrackable):
+    def score(self, ids):
+      (counts,) = self.held
+      return (counts.find(ids) + self.tables[0].find(ids) - self.stats.mean) * self.stats.scale
+
+  root = Root()
+  root.stats = Stats(jnp.array(0.5), np.float32(4.0))
+  counts = jr.MutableHashTable(np.int64, np.float32, default_value=0.0)
+  counts.insert(np.array([3, 2**41]), np.array([1.0, 2.0], np.float32))
+  root.held = (counts,)
+  table = jr.OpenAddressingTable.create(64, key=jnp.int64, value=jnp.float32, default=0.0)
+  root.tables = [table.insert(jr.keys.split64(np.array([3])), jnp.array([0.25]))]
+  spec = jax.ShapeDtypeStruct(("n",), jnp.int64)
+  jr.saved_model.save(root, tmp_path / "root", {"score": jr.saved_model.Signature(Root.score, ids=spec)})
+  ids = np.array([3, 2**41, 9])
+  got = _serve(tmp_path / "root", "score", {"ids": ids}, tmp_path)["output"]
+  assert got.tolist() == [3.0, 6.0, -2.0]
+  same_bits(got, jax.jit(root.score)(jr.keys.split64(ids)))
+  assert len(counts) == 2 and root.stats.scale == 4.0  # the object itself is untouched
 
 
 def test_a_sharded_table_is_served_unsharded(tmp_path):

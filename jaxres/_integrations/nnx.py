@@ -12,6 +12,10 @@ functional table's live entries) and is restored in place. Trackables inside
 the graph (tables and other resources) save themselves; their own variables
 are theirs.
 
+Served (``jaxres._serving``), an NNX object is a copy in inference mode sharing
+its arrays, whose variables holding tables hold their served form; a
+``jr.Resource`` (a trackable that is an NNX module) is served as one.
+
 Importing this module registers the adapters (``import jaxres`` does).
 """
 
@@ -21,8 +25,27 @@ from typing import Any
 
 from flax import nnx
 
+from jaxres._core.table import Table
+from jaxres._shell.resource import Resource
 from jaxres._shell.trackable import Trackable
 from jaxres._tracking import handles, paths
+
+
+def _serving_copy(node: Any, served: handles.Served) -> Any:
+  """A copy of ``node`` sharing its arrays, modules in inference mode, each table as ``served(table)``."""
+  graphdef, state = nnx.split(node)
+  copied = nnx.merge(graphdef, state, copy=True)  # new modules and variables, the same arrays
+  for _, inner in nnx.iter_graph(copied):
+    if isinstance(inner, nnx.Module):
+      inner.set_attributes(deterministic=True, use_running_average=True, raise_if_not_found=False)
+    elif isinstance(inner, nnx.Variable) and isinstance(inner.get_value(), Table):
+      inner.set_value(served(inner.get_value()))
+  return copied
+
+
+def _serving_split(node: Any, path: str) -> handles.Split:
+  graphdef, state = nnx.split(node)
+  return handles.flattened(state, path, lambda tree: nnx.merge(graphdef, tree))
 
 
 class NnxHandle(handles.Handle):
@@ -48,6 +71,22 @@ class NnxHandle(handles.Handle):
       if isinstance(node, (Trackable, nnx.Variable)):
         found[path] = node  # a variable without arrays has no handle: the walkers skip it
     return paths.by_relative(found)
+
+  def serving_copy(self, served, copy_child):
+    return _serving_copy(self.obj, served)
+
+  def serving_split(self, path, split_child):
+    return _serving_split(self.obj, path)
+
+
+class ResourceHandle(handles.TrackableHandle):
+  """A ``jr.Resource``: saved as a trackable, served as an NNX module."""
+
+  def serving_copy(self, served, copy_child):
+    return _serving_copy(self.obj, served)
+
+  def serving_split(self, path, split_child):
+    return _serving_split(self.obj, path)
 
 
 class VariableHandle(handles.Handle):
@@ -82,3 +121,4 @@ class VariableHandle(handles.Handle):
 
 handles.register(nnx.Variable, VariableHandle.of)
 handles.register(nnx.Pytree, NnxHandle)
+handles.register(Resource, ResourceHandle)

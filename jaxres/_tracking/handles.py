@@ -15,10 +15,15 @@ other pytrees of arrays one value (the handles below).
 
 Objects for which :func:`handle_for` returns ``None`` (numbers, strings,
 callables) are not part of the graph.
+
+Serving walks the same handles (``jaxres._serving.served_state``): each gives
+its object as a served signature reads it (:meth:`Handle.serving_copy`) and
+the arrays a signature takes as arguments (:meth:`Handle.serving_split`).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,16 +31,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 from jaxres import _errors as errors
 from jaxres._core.pytrees import leaf_names
 from jaxres._core.table import Table
 from jaxres._persistence import table_arrays
-from jaxres._shell.trackable import Commit, Trackable
+from jaxres._shell.trackable import AutoTrackable, Commit, Trackable
 from jaxres._tracking import paths
 
 ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 CONTAINERS = (list, tuple, dict)
+
+Served = Callable[[Table], Table]  # a table as a served signature reads it (its read-only form)
+# ``(leaves, names, rebuild)``: the arrays an object holds, their paths, and ``rebuild(leaves)``, an
+# object like it holding those leaves (under a trace: the traced values).
+Split = tuple[list, list[str], Callable[[list], Any]]
 
 
 @functools.singledispatch
@@ -124,6 +135,46 @@ class Handle:
     del relative, new_queue
     return None
 
+  def serving_copy(self, served: Served, copy_child: Callable[[Any], Any]) -> Any:
+    """The object as a served signature reads it: each table as ``served(table)``, modules in
+    inference mode, arrays shared (``copy_child``: the same for a child). The default: the object
+    itself (arrays, and objects that keep their state to themselves)."""
+    del served, copy_child
+    return self.obj
+
+  def serving_split(self, path: str, split_child: Callable[[Any, str], Split]) -> Split:
+    """The arrays a served signature takes for this object, named from ``path`` (``split_child(child,
+    path)``: the same for a child). The default: none, the object kept as it is."""
+    del path, split_child
+    return [], [], lambda leaves: self.obj
+
+
+def flattened(state: Any, path: str, merge: Callable[[Any], Any] = lambda tree: tree) -> Split:
+  """:meth:`Handle.serving_split` of a pytree of arrays (``merge``: the object rebuilt from it)."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+  names = [_join(path, jax.tree_util.keystr(p, simple=True, separator="/")) for p, _ in flat]
+  return [x for _, x in flat], names, lambda leaves: merge(jax.tree.unflatten(treedef, list(leaves)))
+
+
+def composed(children: Mapping[str, Any], path: str, split_child, build: Callable[[dict], Any]) -> Split:
+  """:meth:`Handle.serving_split` of an object made of ``children`` (name -> child):
+  ``build({name: rebuilt child})`` makes it anew."""
+  parts = {name: split_child(child, _join(path, name)) for name, child in children.items()}
+
+  def rebuild(leaves):
+    rebuilt, start = {}, 0
+    for name, (part, _, rebuild_part) in parts.items():
+      rebuilt[name] = rebuild_part(leaves[start : start + len(part)])
+      start += len(part)
+    return build(rebuilt)
+
+  leaves = [x for part, _, _ in parts.values() for x in part]
+  return leaves, [n for _, names, _ in parts.values() for n in names], rebuild
+
+
+def _join(path: str, name: str) -> str:
+  return f"{path}/{name}" if path and name else path or name
+
 
 class TrackableHandle(Handle):
   """A :class:`jaxres.Trackable`: the object implements the protocol itself."""
@@ -191,6 +242,12 @@ class TableHandle(Handle):
   def restore(self, arrays):
     return table_arrays.from_arrays(self.obj, arrays), None
 
+  def serving_copy(self, served, copy_child):
+    return served(self.obj)
+
+  def serving_split(self, path, split_child):
+    return flattened(self.obj, path)
+
 
 class ArrayHandle(Handle):
   """A JAX or NumPy array (or NumPy scalar): restored as a new array of the same type and placement."""
@@ -208,6 +265,9 @@ class ArrayHandle(Handle):
     if sorted(arrays) != ["value"]:
       raise TypeError(f"expected one array (an array was saved here), got {sorted(arrays)}.")
     return _like(self.obj, arrays["value"], "value"), None
+
+  def serving_split(self, path, split_child):
+    return flattened(self.obj, path)
 
 
 class PytreeHandle(Handle):
@@ -250,6 +310,19 @@ class ContainerHandle(Handle):
       for key, new in zip(keys, replaced.values())
     ]
 
+  def serving_copy(self, served, copy_child):
+    if isinstance(self.obj, dict):
+      return {key: copy_child(item) for key, item in self.obj.items()}
+    return [copy_child(item) for item in self.obj]
+
+  def serving_split(self, path, split_child):
+    keys = {str(key): key for key in (self.obj if isinstance(self.obj, dict) else range(len(self.obj)))}
+    if isinstance(self.obj, dict):
+      build = lambda rebuilt: {keys[name]: item for name, item in rebuilt.items()}
+    else:
+      build = lambda rebuilt: list(rebuilt.values())
+    return composed({name: self.obj[key] for name, key in keys.items()}, path, split_child, build)
+
 
 class TupleHandle(Handle):
   """A tuple of checkpointable objects: immutable, so a restored item makes a new tuple."""
@@ -263,6 +336,28 @@ class TupleHandle(Handle):
 
   def replace(self, replaced):
     return tuple(replaced.get(str(i), item) for i, item in enumerate(self.obj)), []
+
+  def serving_copy(self, served, copy_child):
+    return tuple(copy_child(item) for item in self.obj)
+
+  def serving_split(self, path, split_child):
+    return composed(self.children(), path, split_child, lambda rebuilt: tuple(rebuilt.values()))
+
+
+class AutoTrackableHandle(TrackableHandle):
+  """A :class:`jaxres.AutoTrackable`: served as a copy (its type and methods) holding its children served."""
+
+  def serving_copy(self, served, copy_child):
+    return self._with({name: copy_child(child) for name, child in self.obj._trackable_children().items()})
+
+  def serving_split(self, path, split_child):
+    return composed(self.obj._trackable_children(), path, split_child, self._with)
+
+  def _with(self, children: dict[str, Any]) -> AutoTrackable:
+    copied = copy.copy(self.obj)
+    for name, child in children.items():
+      copied._replace_trackable_child(name, child)
+    return copied
 
 
 def handle_for(obj: Any, *, containers: bool = True, _within: frozenset = frozenset()) -> Handle | None:
@@ -357,6 +452,7 @@ def _like(old: Any, saved: np.ndarray, name: str) -> Any:
 
 
 register(Trackable, TrackableHandle)
+register(AutoTrackable, AutoTrackableHandle)
 register(Table, TableHandle)
-for _array_type in ARRAY_TYPES:
+for _array_type in (*ARRAY_TYPES, Tracer):  # a traced array (a served signature's state) too
   register(_array_type, ArrayHandle)
