@@ -31,24 +31,28 @@ from jaxres._shell.trackable import Trackable
 from jaxres._tracking import handles, paths
 
 
-def _serving_copy(node: Any, served: handles.Served) -> Any:
-  """A copy of ``node`` sharing its arrays, modules in inference mode, each table as ``served(table)``."""
-  graphdef, state = nnx.split(node)
-  copied = nnx.merge(graphdef, state, copy=True)  # new modules and variables, the same arrays
-  for _, inner in nnx.iter_graph(copied):
-    if isinstance(inner, nnx.Module):
-      inner.set_attributes(deterministic=True, use_running_average=True, raise_if_not_found=False)
-    elif isinstance(inner, nnx.Variable) and isinstance(inner.get_value(), Table):
-      inner.set_value(served(inner.get_value()))
-  return copied
+class _ServedAsModule:
+  """Serving hooks of an NNX graph node: a copy sharing its arrays, modules in inference mode, each
+  table as ``served(table)``; its state split as ``nnx.split`` gives it."""
+
+  obj: Any
+
+  def serving_copy(self, served, copy_child):
+    graphdef, state = nnx.split(self.obj)
+    copied = nnx.merge(graphdef, state, copy=True)  # new modules and variables, the same arrays
+    for _, inner in nnx.iter_graph(copied):
+      if isinstance(inner, nnx.Module):
+        inner.set_attributes(deterministic=True, use_running_average=True, raise_if_not_found=False)
+      elif isinstance(inner, nnx.Variable) and isinstance(inner.get_value(), Table):
+        inner.set_value(served(inner.get_value()))
+    return copied
+
+  def serving_split(self, path, split_child):
+    graphdef, state = nnx.split(self.obj)
+    return handles.flattened(state, path, lambda tree: nnx.merge(graphdef, tree))
 
 
-def _serving_split(node: Any, path: str) -> handles.Split:
-  graphdef, state = nnx.split(node)
-  return handles.flattened(state, path, lambda tree: nnx.merge(graphdef, tree))
-
-
-class NnxHandle(handles.Handle):
+class NnxHandle(_ServedAsModule, handles.Handle):
   """An NNX graph node: its variables and trackables are its children."""
 
   kind = "nnx"
@@ -72,21 +76,9 @@ class NnxHandle(handles.Handle):
         found[path] = node  # a variable without arrays has no handle: the walkers skip it
     return paths.by_relative(found)
 
-  def serving_copy(self, served, copy_child):
-    return _serving_copy(self.obj, served)
 
-  def serving_split(self, path, split_child):
-    return _serving_split(self.obj, path)
-
-
-class ResourceHandle(handles.TrackableHandle):
+class ResourceHandle(_ServedAsModule, handles.TrackableHandle):
   """A ``jr.Resource``: saved as a trackable, served as an NNX module."""
-
-  def serving_copy(self, served, copy_child):
-    return _serving_copy(self.obj, served)
-
-  def serving_split(self, path, split_child):
-    return _serving_split(self.obj, path)
 
 
 class VariableHandle(handles.Handle):

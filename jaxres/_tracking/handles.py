@@ -311,17 +311,18 @@ class ContainerHandle(Handle):
     ]
 
   def serving_copy(self, served, copy_child):
-    if isinstance(self.obj, dict):
-      return {key: copy_child(item) for key, item in self.obj.items()}
-    return [copy_child(item) for item in self.obj]
+    return self._made_of([copy_child(self.obj[key]) for key in self._indices()])
 
   def serving_split(self, path, split_child):
-    keys = {str(key): key for key in (self.obj if isinstance(self.obj, dict) else range(len(self.obj)))}
-    if isinstance(self.obj, dict):
-      build = lambda rebuilt: {keys[name]: item for name, item in rebuilt.items()}
-    else:
-      build = lambda rebuilt: list(rebuilt.values())
-    return composed({name: self.obj[key] for name, key in keys.items()}, path, split_child, build)
+    children = {str(key): self.obj[key] for key in self._indices()}  # distinct: _item_keys checked
+    return composed(children, path, split_child, lambda rebuilt: self._made_of(list(rebuilt.values())))
+
+  def _indices(self) -> list:
+    return list(self.obj) if isinstance(self.obj, dict) else list(range(len(self.obj)))
+
+  def _made_of(self, items: list) -> list | dict:
+    """A new container of this one's kind holding ``items`` in its order."""
+    return dict(zip(self._indices(), items, strict=True)) if isinstance(self.obj, dict) else items
 
 
 class TupleHandle(Handle):
