@@ -274,6 +274,20 @@ def test_eager_batches_share_one_compiled_shape(storage):
 
 
 @pytest.mark.parametrize("storage", STORAGES)
+def test_an_import_shares_the_program_of_an_insert_of_its_shape(storage):
+  """``import_words`` leaves ``report`` to its default and ``insert`` passes it: one program, not two
+  (jit keys its cache by the keywords as given; ``row_protocol`` passes every static argument)."""
+  table = storage.create(64, key=jnp.uint32, value=jnp.int32, default=-1)
+  keys = np.arange(8, dtype=np.uint32)
+  inserted = table.insert(keys, keys.astype(np.int32))
+  compiled = row_protocol.upsert._cache_size()
+  words, _ = table.key_spec.encode(keys)  # host rows, as insert hands them to its program
+  imported = table.import_words(words, [keys.astype(np.int32)], np.ones(8, bool))
+  assert row_protocol.upsert._cache_size() == compiled
+  assert entries(imported) == entries(inserted) == {(k,): [k] for k in range(8)}
+
+
+@pytest.mark.parametrize("storage", STORAGES)
 def test_large_batches_with_many_repeats_insert_each_key_once(storage):
   # 1,000 rows of ~630 distinct keys: the claims that lose in the first round
   # are retried a chunk at a time, and equal keys can land in different

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -130,9 +131,17 @@ class _Mutation:
     functools.update_wrapper(self, fn)
     self._plain = jax.jit(fn, static_argnames=static_argnames)
     self._donating = jax.jit(fn, static_argnames=static_argnames, donate_argnums=0)
+    # jit keys its cache by the keywords as given: a static argument left to its default and the
+    # same value passed would trace and lower one program twice. Every call passes them all.
+    parameters = inspect.signature(fn).parameters
+    self._static_defaults = {
+      name: parameters[name].default
+      for name in static_argnames
+      if parameters[name].default is not inspect.Parameter.empty
+    }
 
   def __call__(self, table, *args, donate: bool = False, **kwargs):
-    return (self._donating if donate else self._plain)(table, *args, **kwargs)
+    return (self._donating if donate else self._plain)(table, *args, **(self._static_defaults | kwargs))
 
   def _cache_size(self) -> int:
     """Programs compiled so far, both forms together (as ``jax.jit``'s own ``_cache_size``)."""
