@@ -213,13 +213,19 @@ def test_an_autotrackable_of_tables_and_arrays(tmp_path):
   bias = jr.OpenAddressingTable.create(64, key=jnp.int64, value=jnp.float32, default=0.0)
   root.parts = {"bias": bias.insert(jr.keys.split64(np.array([5])), jnp.array([0.25]))}
   root.scale = jnp.array(2.0)
-  spec = jax.ShapeDtypeStruct(("n",), jnp.int64)
-  jr.saved_model.save(root, tmp_path / "root", {"score": jr.saved_model.Signature(Root.score, ids=spec)})
-  ids = np.array([5, 2**40, 7])
-  got = _serve(tmp_path / "root", "score", {"ids": ids}, tmp_path)["output"]
-  assert got.tolist() == [3.25, 5.0, -2.0]
-  same_bits(got, jax.jit(root.score)(jr.keys.split64(ids)))
+  assert _served_scores(root, np.array([5, 2**40, 7]), tmp_path).tolist() == [3.25, 5.0, -2.0]
   assert len(root.table) == 2  # the object itself is untouched
+
+
+def _served_scores(root, ids, tmp_path):
+  """``root.score`` exported (64-bit ids of any count) and served in another process: its answers to
+  ``ids``, checked bit for bit against the function run here."""
+  spec = jax.ShapeDtypeStruct(("n",), jnp.int64)
+  signature = jr.saved_model.Signature(type(root).score, ids=spec)
+  jr.saved_model.save(root, tmp_path / "root", {"score": signature})
+  got = _serve(tmp_path / "root", "score", {"ids": ids}, tmp_path)["output"]
+  same_bits(got, jax.jit(root.score)(jr.keys.split64(ids)))
+  return got
 
 
 Stats = collections.namedtuple("Stats", "mean scale")
@@ -243,12 +249,7 @@ def test_every_kind_checkpoints_hold_is_served_as_its_handle_says(tmp_path):
   root.held = (counts,)
   table = jr.OpenAddressingTable.create(64, key=jnp.int64, value=jnp.float32, default=0.0)
   root.tables = [table.insert(jr.keys.split64(np.array([3])), jnp.array([0.25]))]
-  spec = jax.ShapeDtypeStruct(("n",), jnp.int64)
-  jr.saved_model.save(root, tmp_path / "root", {"score": jr.saved_model.Signature(Root.score, ids=spec)})
-  ids = np.array([3, 2**41, 9])
-  got = _serve(tmp_path / "root", "score", {"ids": ids}, tmp_path)["output"]
-  assert got.tolist() == [3.0, 6.0, -2.0]
-  same_bits(got, jax.jit(root.score)(jr.keys.split64(ids)))
+  assert _served_scores(root, np.array([3, 2**41, 9]), tmp_path).tolist() == [3.0, 6.0, -2.0]
   assert len(counts) == 2 and root.stats.scale == 4.0  # the object itself is untouched
 
 
