@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import gc
 import os
 import shutil
 import tempfile
@@ -36,6 +37,13 @@ os.environ.setdefault(
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+# Tracing allocates millions of short-lived objects, and JAX's caches keep millions more alive: with
+# Python's default thresholds (700, 10, 10) a worker spent a tenth of its time in the cyclic collector,
+# mostly in full collections walking those caches. Young collections every 50,000 allocations rather
+# than 700 leave a full one rare (measured in docs/architecture.md, "Where the time goes"). Memory is
+# bounded as before: what the caches hold is dropped near the memory-map limit (below).
+gc.set_threshold(50_000, 20, 20)
 
 # What the suite writes to the temporary directory outside pytest's tmp_path (the examples of the
 # docstrings, pages and notebooks call tempfile.mkdtemp(), as users do; tests that make folders of
@@ -77,11 +85,19 @@ _MAP_LIMIT = _read_limit()
 
 def _mapped_regions() -> int:
   with open("/proc/self/maps", "rb") as f:
-    return sum(1 for _ in f)
+    return f.read().count(b"\n")
+
+
+# Only a new executable (compiled or read from the persistent cache) adds mappings; the kernel writes
+# /proc/self/maps out line by line (40 ms at 30,000 regions), so it is read only after a test loaded one.
+_loaded = {"executables": 0, "at_last_check": 0}
 
 
 def _drop_caches_near_the_map_limit():
-  if _MAP_LIMIT is not None and _mapped_regions() > _MAP_LIMIT * 3 // 4:
+  if _MAP_LIMIT is None or _loaded["executables"] == _loaded["at_last_check"]:
+    return
+  _loaded["at_last_check"] = _loaded["executables"]
+  if _mapped_regions() > _MAP_LIMIT * 3 // 4:
     jax.clear_caches()
 
 
@@ -108,10 +124,11 @@ def pytest_collection_modifyitems(items):
 # jax.monitoring's events. A test's tear-down report carries them to the xdist controller, which
 # prints the total and the tests that compiled the most. A compile that JAX's persistent cache
 # answers counts only its trace, lowering and cache read.
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # a compile or a persistent-cache read
 _COMPILE_EVENTS = {
   "/jax/core/compile/jaxpr_trace_duration": "trace",
   "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
-  "/jax/core/compile/backend_compile_duration": "compile",
+  _BACKEND_COMPILE: "compile",
 }
 _compile_seconds = collections.Counter()
 _COMPILE_PROPERTY = "jax_compile_s"
@@ -120,6 +137,8 @@ _COMPILE_PROPERTY = "jax_compile_s"
 def _on_duration(event: str, duration: float, **_) -> None:
   if event in _COMPILE_EVENTS:
     _compile_seconds[_COMPILE_EVENTS[event]] += duration
+  if event == _BACKEND_COMPILE:
+    _loaded["executables"] += 1
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
