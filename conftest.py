@@ -9,8 +9,8 @@ with a segmentation fault. The suite compiles far more shapes than a real
 program, so a worker drops JAX's caches (freeing the executables) when it has
 used three quarters of the limit (the largest test adds fewer than 10,000).
 
-Tests marked ``slow`` start first, and XLA compiles with fewer optimisations
-(see below).
+Tests marked ``slow`` start first, XLA compiles with fewer optimisations and
+the cyclic garbage collector runs less often (see below).
 """
 
 from __future__ import annotations
