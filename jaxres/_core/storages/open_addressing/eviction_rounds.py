@@ -195,15 +195,17 @@ def _least_counts(capacity: int) -> list[int]:
   return [min(-(-width * capacity // share), np.iinfo(np.int32).max) for width in AUTO_WINDOWS[1:]]
 
 
-def windows(layout: Layout, words: jax.Array, window: int) -> jax.Array:
+def windows(layout: Layout, words: jax.Array, window: int, home=None, spread=None) -> jax.Array:
   """int32[N, 2 * window]: the buckets of each key row's two windows, in the order candidates rank.
 
   The second starts at one of the buckets past the first window, picked by an independent
   hash: in a table of few buckets, the two windows still cover different ones.
   """
-  home, nb = layout.home(words), layout.num_buckets
+  home = layout.home(words) if home is None else home
+  nb = layout.num_buckets
   if nb > window:
-    past = hash_words(words, seed=constants.EVICTION_SEED) % jnp.uint32(nb - window)
+    spread = hash_words(words, seed=constants.EVICTION_SEED) if spread is None else spread
+    past = spread % jnp.uint32(nb - window)
     second = (home + window + past.astype(jnp.int32)) % nb
   else:
     second = home
@@ -226,10 +228,10 @@ def refresh_floors(layout: Layout, scores: jax.Array, floors: jax.Array, bucket,
   return floors.at[jnp.where(mask, bucket, floors.shape[0])].set(lowest, mode="drop")
 
 
-def _choose(layout, flat, scores, floors, row_words, home, taken, window):
+def _choose(layout, flat, scores, floors, row_words, home, spread, lane, taken, window):
   """Each row's victim, its score, and the slot its key takes (-1: none), in windows of ``window``."""
   size = layout.bucket_size
-  bucket = windows(layout, row_words, window)  # [R, 2 * window]
+  bucket = windows(layout, row_words, window, home, spread)  # [R, 2 * window]
 
   # Scores alone decide: a free slot scores _NO_SCORE (the table keeps it so), never lower.
   if taken is None and floors.shape[0]:  # the first bucket of lowest floor, then its first lowest slot
@@ -252,7 +254,6 @@ def _choose(layout, flat, scores, floors, row_words, home, taken, window):
   room = jnp.any(free, axis=-1)
   first = jnp.argmax(room, axis=-1)
   free = _chosen(free, first)  # [R, size]
-  lane = (hash_words(row_words, seed=constants.LANE_SEED) * np.uint32(constants.GOLDEN_MIX)) >> 16
   nth = lane % jnp.maximum(jnp.sum(free, axis=-1, dtype=jnp.uint32), 1)
   offset = jnp.argmax(free & (jnp.cumsum(free, axis=-1, dtype=jnp.uint32) == (nth + 1)[:, None]), axis=-1)
   first_free = _chosen(bucket, first) * size + offset.astype(jnp.int32)
@@ -277,19 +278,26 @@ def _evict_reference(
   if len(reachable) > 1:
     per_call = jnp.minimum(auto_window(jnp.sum(pending, dtype=jnp.int32), capacity), len(reachable) - 1)
 
-  def choose(flat, scores, floors, row_words, home):
+  # Each row's hashes, once: the rounds (two traced) and the window branches gather them.
+  hashes = (
+    layout.home(words),
+    hash_words(words, seed=constants.EVICTION_SEED),
+    (hash_words(words, seed=constants.LANE_SEED) * np.uint32(constants.GOLDEN_MIX)) >> 16,
+  )
+
+  def choose(*args):  # (flat, scores, floors, row_words, home, spread, lane)
     if per_call is None:
-      return _choose(layout, flat, scores, floors, row_words, home, taken, reachable[0])
+      return _choose(layout, *args, taken, reachable[0])
     branches = [functools.partial(_choose, layout, taken=taken, window=w) for w in reachable]
-    return lax.switch(per_call, branches, flat, scores, floors, row_words, home)
+    return lax.switch(per_call, branches, *args)
 
   def round_(state, rows, target):
     rounds, flat, scores, floors, out, pending = state
     position = jnp.arange(rows.shape[0], dtype=jnp.int32)
     active = pending[rows] & (target < n)
     row_words = words[rows]
-    home = layout.home(row_words)
-    victim, victim_score, slot = choose(flat, scores, floors, row_words, home)
+    home, spread, lane = (h[rows] for h in hashes)
+    victim, victim_score, slot = choose(flat, scores, floors, row_words, home, spread, lane)
     can = active & (victim_score < new_score[rows]) & (slot >= 0)
     scratch = claims.scratch_size(rows.shape[0], constants.EVICTION_CELLS_PER_ROW)
     winner = claims.lowest_writer(claims.cell_of(victim, rounds, scratch), can, scratch)
