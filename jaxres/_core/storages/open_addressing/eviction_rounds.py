@@ -195,23 +195,22 @@ def _least_counts(capacity: int) -> list[int]:
   return [min(-(-width * capacity // share), np.iinfo(np.int32).max) for width in AUTO_WINDOWS[1:]]
 
 
-def windows(layout: Layout, words: jax.Array, window: int, home=None, spread=None) -> jax.Array:
+def windows(layout: Layout, home: jax.Array, spread: jax.Array, window: int) -> jax.Array:
   """int32[N, 2 * window]: the buckets of each key row's two windows, in the order candidates rank.
 
-  The second starts at one of the buckets past the first window, picked by an independent
-  hash: in a table of few buckets, the two windows still cover different ones.
+  ``home`` is each row's home bucket (``layout.home``), ``spread`` its hash at
+  ``EVICTION_SEED``. The second window starts at one of the buckets past the first, picked by
+  that independent hash: in a table of few buckets, the two windows still cover different ones.
   """
-  home = layout.home(words) if home is None else home
   nb = layout.num_buckets
   if nb > window:
-    spread = hash_words(words, seed=constants.EVICTION_SEED) if spread is None else spread
     past = spread % jnp.uint32(nb - window)
     second = (home + window + past.astype(jnp.int32)) % nb
   else:
     second = home
   steps = jnp.arange(window, dtype=jnp.int32)
   starts = jnp.stack([home, second], axis=1)
-  return ((starts[:, :, None] + steps) % layout.num_buckets).reshape(words.shape[0], 2 * window)
+  return ((starts[:, :, None] + steps) % layout.num_buckets).reshape(home.shape[0], 2 * window)
 
 
 def floors_of(layout: Layout, scores: jax.Array) -> jax.Array:
@@ -231,7 +230,7 @@ def refresh_floors(layout: Layout, scores: jax.Array, floors: jax.Array, bucket,
 def _choose(layout, flat, scores, floors, row_words, home, spread, lane, taken, window):
   """Each row's victim, its score, and the slot its key takes (-1: none), in windows of ``window``."""
   size = layout.bucket_size
-  bucket = windows(layout, row_words, window, home, spread)  # [R, 2 * window]
+  bucket = windows(layout, home, spread, window)  # [R, 2 * window]
 
   # Scores alone decide: a free slot scores _NO_SCORE (the table keeps it so), never lower.
   if taken is None and floors.shape[0]:  # the first bucket of lowest floor, then its first lowest slot
