@@ -56,7 +56,7 @@ def split64(x):
     arr = arr.astype(np.int64)
   if arr.dtype not in (np.int64, np.uint64):
     raise TypeError(f"x: expected an int64 or uint64 array, got {arr.dtype}.")
-  return jax.numpy.asarray(key_specs.split64_host(arr))
+  return jax.device_put(np.ascontiguousarray(key_specs.split64_host(arr)))
 
 
 def join64(pairs, dtype=np.int64):
@@ -119,11 +119,11 @@ def to_int32(ids):
     [3, 2147483647, -1]
   """
   if getattr(ids, "dtype", None) == np.uint32 and np.shape(ids)[-1:] == (2,):
-    pairs = ids if isinstance(ids, jax.Array) else jax.numpy.asarray(ids)
+    pairs = ids if isinstance(ids, jax.Array) else jax.device_put(np.asarray(ids))
   elif isinstance(ids, jax.Array) and ids.dtype in (np.int64, np.uint64):
     pairs = key_specs.split64_jax(ids)
   elif isinstance(ids, (np.ndarray, np.generic)) and np.asarray(ids).dtype in (np.int64, np.uint64):
-    pairs = jax.numpy.asarray(key_specs.split64_host(np.asarray(ids)))
+    pairs = jax.device_put(np.ascontiguousarray(key_specs.split64_host(np.asarray(ids))))
   else:
     got = f"{getattr(ids, 'dtype', type(ids).__name__)}{list(np.shape(ids))}"
     raise TypeError(f"ids: expected int64 or uint64 ids, or uint32[..., 2] word pairs, got {got}.")
@@ -179,7 +179,7 @@ def encode_strings(values, max_length: int = 64):
     ((2, 3), ['héllo', ''])
   """
   strings.check_max_length(max_length, "max_length")
-  return jax.numpy.asarray(strings.encode(values, max_length, name="values"))
+  return jax.device_put(strings.encode(values, max_length, name="values"))
 
 
 def decode_strings(rows):

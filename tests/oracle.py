@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -301,3 +302,19 @@ def run_random_operations(
       model.import_(keys, values, valid)
     assert_matches(table, model), f"diverged after step {step} ({op})"
   return table
+
+
+@contextlib.contextmanager
+def compilations():
+  """The list of XLA programs loaded in the block (compiled, or read from JAX's persistent cache)."""
+  seen = []
+
+  def listen(event, duration, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+      seen.append(duration)
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    yield seen
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)

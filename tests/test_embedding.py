@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from oracle import mesh_of
+from oracle import compilations, mesh_of
 
 import jaxres as jr
 from jaxres._nn import rowwise
@@ -312,6 +312,20 @@ def test_checkpoints_of_other_policies_restore_into_the_default_one(tmp_path, ev
     assert got.tobytes() == want.tobytes()
   default(np.arange(1000, 1064))  # full: the new ids evict the restored rows of lower weight
   assert default.size() == 16 and default.stats()["evictions"] > 0
+
+
+def test_eager_steps_of_a_shape_met_before_load_no_program():
+  """An eager lookup and apply_gradients of a batch shape met before compiles nothing: each program
+  they run is cached (an eager lax.cond, traced anew on every call, was not)."""
+  emb = _embedding(16, optimizer=optax.sgd(1.0), eviction=jr.LRU())
+  batches = _batches(seed=3, steps=3, size=10)
+  with compilations() as loaded:
+    for step, (ids, grads) in enumerate(batches):
+      emb(ids)
+      emb.apply_gradients(ids, grads)
+      if step == 0:
+        first = len(loaded)
+  assert first and len(loaded) == first
 
 
 def test_rows_of_a_lookup_are_reused_only_for_the_same_ids_on_the_same_table(tmp_path):

@@ -17,6 +17,7 @@ from children import HANG_GUARD_S
 from oracle import STORAGES
 
 import jaxres as jr
+from jaxres._core.encoding.key_specs import KeySpec
 
 X64 = bool(jax.config.read("jax_enable_x64"))
 EDGE_INT64 = np.array([-(2**63), -(2**32) - 1, -1, 0, 2**31, 2**32 + 7, 2**63 - 1], np.int64)
@@ -33,6 +34,21 @@ def test_split_join_round_trip():
     jr.keys.split64(np.ones(2))
   with pytest.raises(TypeError, match="pairs"):
     jr.keys.join64(np.ones((2, 3), np.uint32))
+
+
+@pytest.mark.parametrize(
+  "key", [np.int32, np.uint32, np.int64, np.uint64, jax.ShapeDtypeStruct((2,), np.int64)], ids=str
+)
+def test_keys_decoded_on_the_host_equal_those_decoded_by_jax(key):
+  spec = KeySpec.parse(key)
+  info = np.iinfo(spec.dtype)
+  keys = np.random.default_rng(0).integers(info.min, info.max, (3, 4, *spec.shape), spec.dtype, endpoint=True)
+  keys.reshape(-1)[:2] = info.min, info.max
+  words, batch = spec.encode(keys)
+  host = spec.decode_host(words)
+  assert batch == (3, 4) and host.dtype == spec.dtype and isinstance(host, np.ndarray)
+  np.testing.assert_array_equal(host, keys)
+  np.testing.assert_array_equal(np.asarray(spec.decode(jnp.asarray(words))), keys)
 
 
 @pytest.mark.parametrize("storage", STORAGES)

@@ -46,16 +46,19 @@ replicated = lambda x: np.asarray(x.addressable_shards[0].data).tolist()
 """
 
 SHARE_ONE_TABLE = """
-table = jr.ShardedTable.create(mesh, "shard", 256, key=jnp.int64, value=jnp.int32)
-keys = np.arange(-50, 50, dtype=np.int64) * 2**40  # the same batch on every process
-table = table.insert(keys, np.arange(100, dtype=np.int32))
-table, rows = table.find_or_insert(np.array([-50 * 2**40, 7], np.int64), np.array([-1, 77], np.int32))
-table = table.remove(keys[::2])
-found = table.find(np.array([keys[0], keys[1], 7], np.int64))
-print(json.dumps({
-  "devices": [jax.device_count(), jax.local_device_count()],
-  "size": int(table.size), "rows": replicated(rows), "found": replicated(found),
-}))
+def share_one_table():
+  table = jr.ShardedTable.create(mesh, "shard", 256, key=jnp.int64, value=jnp.int32)
+  keys = np.arange(-50, 50, dtype=np.int64) * 2**40  # the same batch on every process
+  table = table.insert(keys, np.arange(100, dtype=np.int32))
+  table, rows = table.find_or_insert(np.array([-50 * 2**40, 7], np.int64), np.array([-1, 77], np.int32))
+  table = table.remove(keys[::2])
+  found = table.find(np.array([keys[0], keys[1], 7], np.int64))
+  return {
+    "devices": [jax.device_count(), jax.local_device_count()],
+    "size": int(table.size), "rows": replicated(rows), "found": replicated(found),
+  }
+
+shared = share_one_table()  # printed by the script that follows (the same two processes)
 """
 
 SAVE_TOGETHER = """
@@ -128,7 +131,7 @@ contents = json.load(open(path + "/ckpt/manifest/metadata"))
 key = contents["nodes"]["model/table"]["arrays"]["blocks/keys"]
 blocks = orbax_io.load_arrays(path + "/ckpt", contents["arrays"])[key]
 print(json.dumps({
-  "steps": manager.all_steps(), "size": int(fresh.table.size), "step": int(fresh.step),
+  "shared": shared, "steps": manager.all_steps(), "size": int(fresh.table.size), "step": int(fresh.step),
   "clock": [int(fresh.table.clock), int(root.table.clock)], "rows_read": sorted(blocks.rows),
   "weights": gathered, "formats": incremental_formats, "incremental_size": int(steady.table.size),
 }))
@@ -203,19 +206,15 @@ def _run_together(script: str, path="") -> list[dict]:
 
 
 @pytest.mark.slow
-def test_two_processes_share_one_table():
-  results = _run_together(SHARE_ONE_TABLE)
-  # Oracle: 100 keys inserted, one more by find_or_insert, the 50 even positions removed.
-  expected = {"devices": [8, 4], "size": 51, "rows": [0, 77], "found": [0, 1, 77]}
-  assert results == [expected, expected]
-
-
-@pytest.mark.slow
-def test_two_processes_save_together_and_restore_onto_other_meshes(tmp_path):
+def test_two_processes_share_one_table_save_it_together_and_restore_it_onto_other_meshes(tmp_path):
   single = jr.AutoTrackable()
   single.table, single.step = table_at(1, mesh_of(8)), jnp.array(1)
   jr.Checkpoint(model=single).save(tmp_path / "single")  # for the workers to restore
-  results = _run_together(SAVE_TOGETHER, tmp_path)
+  results = _run_together(SHARE_ONE_TABLE + SAVE_TOGETHER, tmp_path)
+  # One table over both processes: 100 keys inserted, one more by find_or_insert, the 50 even positions
+  # removed; the same answers on each.
+  expected = {"devices": [8, 4], "size": 51, "rows": [0, 77], "found": [0, 1, 77]}
+  assert [result.pop("shared") for result in results] == [expected, expected]
   clock = int(table_at(3, mesh_of(8)).clock)
   for process, result in enumerate(results):
     assert result["steps"] == [2, 3]  # max_to_keep=2 over three steps

@@ -9,7 +9,6 @@ program may be compiled after load: counted with ``jax.monitoring``'s
 backend-compile events (and, for TensorFlow, with the XLA modules it dumps).
 """
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from oracle import same_bits
+from oracle import compilations, same_bits
 from tower import IDS, Model, predict
 
 import jaxres as jr
@@ -27,23 +26,6 @@ from jaxres._serving import loaded
 
 SIZES = (0, 1, 4, 5, 7, 16, 17, 40)  # batch sizes (1, 4, 16): edges, between, above the largest
 BUCKETS = (1, 4, 16)
-COMPILE = "/jax/core/compile/backend_compile_duration"
-
-
-@contextlib.contextmanager
-def compilations():
-  """The list of XLA compilations in the block, as it grows."""
-  seen = []
-
-  def listen(event, duration, **kwargs):
-    if event == COMPILE:
-      seen.append(duration)
-
-  jax.monitoring.register_event_duration_secs_listener(listen)
-  try:
-    yield seen
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def _ids(rng, n):

@@ -16,6 +16,7 @@ from oracle import (
   DictTable,
   assert_matches,
   assert_rows_equal,
+  compilations,
   entries,
   mesh_of,
   run_random_operations,
@@ -354,6 +355,12 @@ def test_live_entries_and_placed_give_back_the_same_table(storage):
   assert dict(zip(live.keys.tolist(), live.leaves[0].tolist())) == want
   assert (live.scores is not None) == (table.eviction is not None)
   assert (live.slots is not None) == (table.slot_layout is not None)
+  fewer = table.remove(keys[:2])  # decoded on the host: another count of entries loads no program
+  with compilations() as loaded:
+    rest = fewer.live_entries()
+  assert loaded == [] and dict(zip(rest.keys.tolist(), rest.leaves[0].tolist())) == {
+    k: v for k, v in want.items() if k not in (7, -3)
+  }
   empty = table.import_(np.zeros(0, np.int64), np.zeros(0, np.float32))
   back = empty.placed(live.keys, live.leaves[0], live.scores, live.slots).with_counters(table.clock, 0)
   assert entries(back) == entries(table)

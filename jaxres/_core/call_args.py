@@ -10,6 +10,7 @@ shapes are kept.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable
@@ -97,13 +98,19 @@ def output(table, leaves, batch) -> Any:
 def unpadded(x, batch: tuple[int, ...]):
   """A flat result ``[rows, ...]`` of a call of ``batch``: its first ``prod(batch)`` rows in that shape.
 
-  Eager slices and reshapes are calls of their own: made only where needed.
+  Eager, the slice and the reshape are one program of their own, run only where needed.
   """
-  n = math.prod(batch)
-  if x.shape[0] != n:
-    x = x[:n]
-  shape = batch + x.shape[1:]
-  return x if x.shape == shape else x.reshape(shape)
+  n, shape = math.prod(batch), batch + x.shape[1:]
+  if x.shape == shape:
+    return x
+  if key_specs.is_traced(x):
+    return x[:n].reshape(shape)
+  return _first_rows(x, n, shape)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _first_rows(x: jax.Array, n: int, shape: tuple[int, ...]) -> jax.Array:
+  return x[:n].reshape(shape)
 
 
 def defaults(table, default, batch) -> list:
@@ -158,15 +165,18 @@ def row_index(index) -> tuple[jax.Array, tuple[int, ...], int]:
   Raises:
     TypeError: ``index`` is not an integer array.
   """
-  index = index if isinstance(index, jax.Array) else jnp.asarray(np.asarray(index))
+  on_host = not isinstance(index, jax.Array)
+  xp = np if on_host else jnp  # host rows are padded on the host: no program for each count
+  index = np.asarray(index) if on_host else index
   if not jnp.issubdtype(index.dtype, jnp.integer):
     raise TypeError(f"index: expected int32 rows (from find_rows or find_or_insert_rows), got {index.dtype}.")
   batch, n = tuple(index.shape), math.prod(index.shape)
-  index = index.reshape(-1).astype(jnp.int32)
+  index = index.reshape(-1).astype(xp.int32)
   if key_specs.is_traced(index) or not n:
-    return index, batch, n
+    return (jax.device_put(index) if on_host else index), batch, n
   size = max(_MIN_EAGER_ROWS, 1 << (n - 1).bit_length())
-  return jnp.pad(index, (0, size - n), constant_values=-1), batch, n
+  padded = xp.pad(index, (0, size - n), constant_values=-1)
+  return (jax.device_put(padded) if on_host else padded), batch, n
 
 
 class _Callable:

@@ -172,6 +172,13 @@ def compact(table: RowProtocol):
   return table._compact()
 
 
+@jax.jit
+def exported(table: RowProtocol):
+  """:meth:`Table.export`'s key words (the zero key's past the live entries), values and mask."""
+  words, leaves, _, valid = table._compact()
+  return jnp.where(valid[:, None], words, table.key_spec.encode_zero()), leaves, valid
+
+
 @mutation()
 def remove(table: RowProtocol, words, active):
   return table._tick()._remove_rows(words, active)

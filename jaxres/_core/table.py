@@ -134,7 +134,8 @@ class Table(RowProtocol):
     key_spec = key_specs.KeySpec.parse(key)
     value_spec = ValueSpec.parse(value)
     default_leaves = tuple(
-      jnp.asarray(x) for x in value_spec.to_storage(value_spec.spread(default), (), "default", broadcast=True)
+      x if isinstance(x, jax.Array) else jax.device_put(np.asarray(x))
+      for x in value_spec.to_storage(value_spec.spread(default), (), "default", broadcast=True)
     )
     return key_spec, value_spec, default_leaves
 
@@ -586,8 +587,7 @@ class Table(RowProtocol):
     back as NumPy arrays when x64 is off and the call is eager, and as word
     pairs under ``jit``.
     """
-    words, leaves, _, valid = row_protocol.compact(self)
-    words = jnp.where(valid[:, None], words, self.key_spec.encode_zero())
+    words, leaves, valid = row_protocol.exported(self)
     return self.key_spec.decode(words), self.value_spec.from_storage(leaves), valid
 
   def export_batch(self, offset, size: int):
@@ -739,8 +739,8 @@ class Table(RowProtocol):
     """
     words, leaves, scores, valid = jax.device_get(row_protocol.compact(self))
     live = np.asarray(valid)
-    keys = self.key_spec.decode(jnp.asarray(np.asarray(words)[live]))
-    values = self.value_spec.from_storage([jnp.asarray(np.asarray(x)[live]) for x in leaves])
+    keys = self.key_spec.decode_host(np.asarray(words)[live])  # on the host: no program per count
+    values = self.value_spec.from_storage([np.asarray(x)[live] for x in leaves])
     return LiveEntries(
       np.asarray(keys),
       [np.asarray(x) for x in jax.tree.leaves(values)],

@@ -341,15 +341,15 @@ class DynamicEmbedding(nnx.Module):
   def encode_as(self, ids, name: str) -> jax.Array:
     """:meth:`encode`, its errors naming ``name`` (a collection's feature)."""
     if self._ids.is_string:
-      return jnp.asarray(self._ids.encode(ids, name))
+      return jax.device_put(np.asarray(self._ids.encode(ids, name)))
     spec = self.key_spec
     spec.encode(ids, name)  # checked: raises on ids this embedding does not take
     if isinstance(ids, jax.Array):
       return ids
     ids = np.asarray(ids)
     if spec.wide and not key_specs.x64_enabled() and ids.dtype != np.uint32:
-      return jnp.asarray(key_specs.split64_host(ids.astype(spec.dtype)))
-    return jnp.asarray(ids if ids.dtype == np.uint32 and spec.wide else ids.astype(spec.dtype))
+      return jax.device_put(np.ascontiguousarray(key_specs.split64_host(ids.astype(spec.dtype))))
+    return jax.device_put(ids if ids.dtype == np.uint32 and spec.wide else ids.astype(spec.dtype))
 
   def key_words(self, ids, name: str = "ids") -> tuple[jax.Array | np.ndarray, tuple[int, ...]]:
     """``(uint32[*batch, W] key words, batch shape)`` of ``ids`` (as :meth:`__call__` takes them),
@@ -421,7 +421,7 @@ class DynamicEmbedding(nnx.Module):
     self._check_training("apply_gradients")
     table = self.table.get_value()
     words, batch = self.key_words(ids, "ids")
-    grads = jnp.asarray(row_grads) if not isinstance(row_grads, jax.Array) else row_grads
+    grads = row_grads if isinstance(row_grads, jax.Array) else jax.device_put(np.asarray(row_grads))
     if not jnp.issubdtype(grads.dtype, jnp.floating):
       raise TypeError(f"row_grads: expected floating gradients, got {grads.dtype}.")
     if grads.shape != (*batch, self.features):

@@ -188,7 +188,11 @@ def rows_of(table: Table, words, recent) -> jax.Array | None:
   else ``None`` (:func:`update` finds them)."""
   if recent is None or recent[0].shape != words.shape:
     return None
-  recent_words, index, clock = recent
+  return _recent_rows(table, words, *recent)
+
+
+@jax.jit  # eager, one program for each table and batch (an eager cond would be traced anew every call)
+def _recent_rows(table: Table, words, recent_words, index, clock) -> jax.Array:
   same = jnp.all(recent_words == words) & (clock == table.clock)
   return jax.lax.cond(same, lambda: index, lambda: table.find_rows(table.key_spec.decode(words)))
 

@@ -195,8 +195,9 @@ def _elementwise(optimizer: RowOptimizer) -> bool:
     return jax.jacfwd(lambda g: transformation.update(g, state, probe)[0])(probe * 10)
 
   probe = np.linspace(-3.0, 5.0, features, dtype=np.float32)  # large: norm clips engage
-  with jax.ensure_compile_time_eval():  # concrete under a trace too (nnx.eval_shape of a model)
-    values = np.asarray(jax.jit(jacobian)(probe))
+  # Compiled ahead and called on the host probe: concrete under a trace too (nnx.eval_shape of a
+  # model), where jax.ensure_compile_time_eval would run it an operation at a time.
+  values = np.asarray(jax.jit(jacobian).lower(probe).compile()(probe))
   return not np.any(values[~np.eye(features, dtype=bool)] != 0)
 
 

@@ -42,7 +42,6 @@ import re
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxres._core.encoding import key_specs
@@ -288,7 +287,7 @@ def _unblocked(arrays, key_spec: KeySpec) -> tuple[dict[int, dict], bool]:
     for field, block in blocks.items():
       rows = (block.rows[shard] if isinstance(block, Blocks) else np.asarray(block)[shard])[:live]
       if field == "keys":
-        rows = np.asarray(key_spec.decode(jnp.asarray(rows)))
+        rows = key_spec.decode_host(rows)
       elif field in arrays:  # a value leaf, stored as the table stores it; the empty array has its dtype
         rows = _exact(rows, np.asarray(arrays[field]).dtype)
       fields[field] = rows

@@ -24,7 +24,6 @@ import itertools
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -202,7 +201,7 @@ def _(table: ShardedTable, saved: Saved) -> Table:
   words = np.asarray(table.key_spec.encode(saved.keys, "keys")[0]).reshape(n, table.key_spec.num_words)
   leaves = [np.asarray(x) for x in call_args.value_leaves(table, saved.values, (n,))]
   scores = [] if saved.scores is None else [np.asarray(saved.scores, np.uint32)]
-  owners = np.asarray(owner_of(jnp.asarray(words), table.num_shards)) if n else np.zeros(0, np.int32)
+  owners = np.asarray(_owner_of(words, table.num_shards)) if n else np.zeros(0, np.int32)
   ends = np.cumsum([0, *(len(s) for s in saved.slots)])
   parts = {}
   for shard, where, (start, end) in zip(saved.shards, saved.slots, itertools.pairwise(ends)):
@@ -272,3 +271,6 @@ def _(table: ShardedTable, saved: Saved) -> Table:
   words, valid, *rest = (spread(x) for x in (words, np.ones(n, bool), *leaves, *scores))
   leaves, scores = (rest[:-1], rest[-1]) if saved.scores is not None else (rest, None)
   return table.import_words(words, leaves, valid, scores)
+
+
+_owner_of = jax.jit(owner_of, static_argnums=1)  # eager: one program, not one per operation

@@ -212,7 +212,7 @@ class LoadedModel:
     self.platforms = platforms
     self._host = list(state) if lineage is not None else None  # what deltas are applied to
     read = sorted({k for s in signatures.values() for k in s._places})
-    self._device = {k: jax.numpy.asarray(state[k]) for k in read}
+    self._device = {k: jax.device_put(state[k]) for k in read}
     self._lineage = lineage
     for signature in signatures.values():
       signature._take(self._device)
@@ -252,7 +252,7 @@ class LoadedModel:
           f"{delta}: corrupted delta (it makes served state {k} {np.asarray(x).dtype}{list(np.shape(x))}; "
           f"the model's programs take {before.dtype}{list(before.shape)}). The model is left as it was."
         )
-    device = {k: jax.numpy.asarray(x) for k, x in changed.items() if k in self._device}
+    device = {k: jax.device_put(x) for k, x in changed.items() if k in self._device}
     for k, x in changed.items():
       self._host[k] = x
     self._device |= device

@@ -29,7 +29,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 
@@ -446,7 +445,7 @@ def _like(old: Any, saved: np.ndarray, name: str) -> Any:
       f"the object is {dtype}{list(np.shape(old))}."
     )
   if isinstance(old, jax.Array):
-    return jax.device_put(saved, old.sharding) if old.committed else jnp.asarray(saved)
+    return jax.device_put(saved, old.sharding if old.committed else None)
   if isinstance(old, np.generic):
     return saved[()]
   return np.array(saved)

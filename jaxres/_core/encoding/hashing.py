@@ -30,6 +30,8 @@ def hash_words(words: jax.Array, seed: int = constants.BUCKET_SEED) -> jax.Array
   Deterministic on every backend (pure integer arithmetic), so the same keys
   always land in the same buckets.
   """
+  if isinstance(words, jax.Array) and not isinstance(words, jax.core.Tracer):  # eager: one program
+    return _hashed(words, seed=seed)
   num_words = words.shape[-1]
   h = jnp.full(words.shape[:-1], np.uint32(seed), dtype=jnp.uint32)
   for j in range(num_words):
@@ -49,3 +51,6 @@ def mix(h: jax.Array, seed: int) -> jax.Array:
     True
   """
   return _fmix(h ^ np.uint32(seed))
+
+
+_hashed = jax.jit(hash_words, static_argnames="seed")

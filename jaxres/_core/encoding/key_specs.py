@@ -267,6 +267,18 @@ class KeySpec:
     words = self._flip_host(np.asarray(words, dtype=np.uint32))
     return words.reshape((*batch, self.num_words)), batch
 
+  def decode_host(self, words: np.ndarray) -> np.ndarray:
+    """NumPy ``uint32[*batch, num_words]`` -> NumPy keys of the exact dtype, on the host.
+
+    What :meth:`decode` computes, with no JAX program: the host side of an export
+    decodes batches of any size without compiling one for each.
+    """
+    words = np.asarray(words, dtype=np.uint32)
+    batch = words.shape[:-1]
+    if self.wide:
+      return join64_host(self._flip_host(words.reshape(batch + self.shape + (2,))), self.dtype)
+    return np.ascontiguousarray(self._flip_host(words)).reshape(batch + self.shape).view(self.dtype)
+
   def hash(self, keys, seed: int = 0) -> jax.Array:
     """``uint32[*batch]``: a fixed hash of each key (see :func:`hashing.hash_words`)."""
     words, _ = self.encode(keys)
@@ -279,9 +291,14 @@ class KeySpec:
 
   def decode(self, words: jax.Array):
     """uint32[*batch, num_words] -> keys in the most exact form available."""
+    if _is_jax_array(words) and not is_traced(words):  # eager: on the host, or by one program
+      return self.decode_host(np.asarray(words)) if self.wide and not x64_enabled() else _decoded(self, words)
     batch = tuple(words.shape[:-1])
     if not self.wide:
       elems = self._flip(words).reshape(batch + self.shape)
       return jax.lax.bitcast_convert_type(elems, self.dtype) if self.dtype.kind == "i" else elems
     pairs = self._flip(words.reshape(batch + self.shape + (2,)))
     return decode_wide(pairs, self.dtype)
+
+
+_decoded = jax.jit(KeySpec.decode, static_argnums=0)

@@ -29,6 +29,7 @@ key stay near one request and one reply unless a batch is skewed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -161,6 +162,20 @@ class ShardedTable(Table):
     ]
     return jax.tree.unflatten(treedef, stacked)
 
+  @property
+  def _shard_structure(self) -> Storage:
+    """One shard with ``jax.ShapeDtypeStruct`` leaves: its static properties, and no array touched
+    (an eager :attr:`shards` reshapes every leaf, a program each)."""
+    leaves, treedef = jax.tree.flatten(self.parts)
+    n = self.num_shards
+    return jax.tree.unflatten(
+      treedef,
+      [
+        jax.ShapeDtypeStruct(() if rank == 0 else (x.shape[0] // n, *x.shape[1:]), x.dtype)
+        for x, rank in zip(leaves, self.shard_ranks, strict=True)
+      ],
+    )
+
   @classmethod
   def capacity_for(cls, nbytes: int, mesh: Mesh, axis: str, key, value, default=0, **options) -> int:
     """The largest capacity whose table (:meth:`create` with these arguments) holds at most
@@ -193,47 +208,47 @@ class ShardedTable(Table):
 
   @property
   def shard_capacity(self) -> int:
-    return self.shards.capacity
+    return self._shard_structure.capacity
 
   @property
   def size(self) -> jax.Array:
     """int32[]: live entries over all shards."""
-    return jnp.sum(self.shards.size)
+    return jnp.sum(self.parts.size)  # a shard's scalars lie end to end: [num_shards]
 
   @property
   def dropped(self) -> jax.Array:
     """int32[]: new keys lost because their shard was full."""
-    return jnp.sum(self.shards.dropped)
+    return jnp.sum(self.parts.dropped)
 
   @property
   def size_per_shard(self) -> jax.Array:
     """int32[num_shards]: live entries of each shard."""
-    return self.shards.size
+    return self.parts.size
 
   @property
   def dropped_per_shard(self) -> jax.Array:
     """int32[num_shards]: new keys each shard could not hold."""
-    return self.shards.dropped
+    return self.parts.dropped
 
   @property
   def eviction(self):
     """The shards' eviction policy (each shard evicts among its own entries)."""
-    return self.shards.eviction
+    return self._shard_structure.eviction
 
   @property
   def clock(self) -> jax.Array:
     """uint32[]: mutating calls so far (every call reaches every shard, so their clocks agree)."""
-    return self.shards.clock[0]
+    return self.parts.clock[0]
 
   @property
   def evictions(self) -> jax.Array:
     """int32[]: entries evicted or refused, over all shards."""
-    return jnp.sum(self.shards.evictions)
+    return jnp.sum(self.parts.evictions)
 
   @property
   def num_slots(self) -> int:
     """Slots over all shards; ``export_batch`` numbers them shard by shard."""
-    return self.num_shards * self.shards.num_slots
+    return self.num_shards * self._shard_structure.num_slots
 
   @property
   def num_rows(self) -> int:
@@ -243,7 +258,7 @@ class ShardedTable(Table):
   @property
   def shard_rows(self) -> int:
     """Value rows of each shard, as its storage declares them (:attr:`Storage.num_rows`)."""
-    return self.shards.num_rows
+    return self._shard_structure.num_rows
 
   def export(self):
     """All entries as fixed-shape arrays ``(keys, values, valid)``.
@@ -260,7 +275,7 @@ class ShardedTable(Table):
       shard_capacity = self.shard_capacity  # as created, perhaps by hand
     else:
       shard_capacity = _shard_capacity(capacity, self.num_shards, self.eviction)
-    first = jax.tree.map(lambda x: x[0], self.shards)
+    first = dataclasses.replace(self._shard_structure, default=self.default)  # no shard copied out
     parts = _laid_out(lambda: first._with_capacity(shard_capacity), self.mesh, self.axis)
     return dataclasses.replace(self, parts=parts, capacity=capacity)
 
@@ -437,12 +452,12 @@ class ShardedTable(Table):
 
   @property
   def slot_layout(self):
-    shape = self.shards.slot_layout
+    shape = self._shard_structure.slot_layout
     return None if shape is None else np.array([self.num_shards, *shape[1:]])
 
   @property
   def slot_kind(self):
-    return self.shards.slot_kind
+    return self._shard_structure.slot_kind
 
   def shard_entries(self, width: int) -> dict:
     """Each shard's live entries first, in ``[shards, width, ...]`` arrays split over the mesh axis.
@@ -528,8 +543,7 @@ class ShardedTable(Table):
     The arrays are split over the mesh axis like :meth:`shard_entries`'s (global arrays on several
     processes); the keys' owners and slots are checked by the caller.
     """
-    split = NamedSharding(self.mesh, PartitionSpec(self.axis))
-    place = jax.jit(jax.vmap(lambda shard, *row: shard._place_rows(*row)), out_shardings=split)
+    place = _placer(NamedSharding(self.mesh, PartitionSpec(self.axis)))
     empty = self._cleared()._advance()  # every entry newer than any version of this table before
     return empty._with_shards(place(empty.shards, words, leaves, scores, slots, valid))
 
@@ -645,6 +659,15 @@ def _laid_out(build, mesh: Mesh, axis: str) -> Storage:
 def _end_to_end(shards: Storage) -> Storage:
   """Stacked shards (leaves ``[num_shards, ...]``) as :attr:`ShardedTable.parts`: leaves end to end."""
   return jax.tree.map(lambda x: x if x.ndim == 1 else x.reshape(-1, *x.shape[2:]), shards)
+
+
+@functools.lru_cache(maxsize=16)  # one jitted function a sharding: its programs are cached, not traced anew
+def _placer(split: NamedSharding):
+  return jax.jit(jax.vmap(_place_rows), out_shardings=split)
+
+
+def _place_rows(shard: Storage, *rows) -> Storage:
+  return shard._place_rows(*rows)
 
 
 _jit_shard_entries = jax.jit(ShardedTable._shard_entries, static_argnums=1)

@@ -415,8 +415,8 @@ class KeptSlots(Storage):
     padded = np.zeros(max(_MIN_FETCH, 1 << max(0, n - 1).bit_length()), np.int32)
     padded[:n] = slots
     words, leaves, scores = jax.device_get(_jit_entries_at(self, jnp.asarray(padded)))
-    keys = self.key_spec.decode(jnp.asarray(np.asarray(words)[:n]))
-    values = self.value_spec.from_storage([jnp.asarray(np.asarray(x)[:n]) for x in leaves])
+    keys = self.key_spec.decode_host(np.asarray(words)[:n])
+    values = self.value_spec.from_storage([np.asarray(x)[:n] for x in leaves])
     entries = LiveEntries(
       np.asarray(keys),
       [np.asarray(x) for x in jax.tree.leaves(values)],
