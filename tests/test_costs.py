@@ -186,6 +186,22 @@ def test_functional_methods_under_jit_with_the_table_donated(method):
   _check_methods(method, _tables())
 
 
+@pytest.mark.parametrize("capacity", [2**16, 2**20], ids=["2^16", "2^20"])
+def test_evicting_find_or_insert_at_the_benchmarks_capacities(capacity):
+  """The guard holds at the capacities the layouts are timed at, not only at ``CAPACITY`` (issue 66: an
+  evicting ``find_or_insert`` once copied its table four times at 2^16 on the XLA path). Lowered
+  from the tables' shapes: nothing of their size is made."""
+  int64 = dict(key=jnp.int64, value=jax.ShapeDtypeStruct((4,), jnp.float32), eviction=jr.LRU())
+  keys = jr.keys.split64(np.arange(BATCH) * 7919)
+  values = jnp.ones((BATCH, 4), jnp.float32)
+  for storage in ("open_addressing", "lean"):
+    table = jax.eval_shape(functools.partial(STORAGES[storage].create, capacity, **int64))
+    sizes = capacity_sizes(table)
+    assert sizes.isdisjoint({BATCH * 2**k for k in range(8)}), storage  # batch-derived sizes told apart
+    compiled = jax.jit(_METHODS["find_or_insert"], donate_argnums=0).lower(table, keys, values).compile()
+    assert capacity_sized(compiled, sizes) == [], storage
+
+
 _SHARDED_METHODS = [
   "insert",
   "find",
