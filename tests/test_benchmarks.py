@@ -186,3 +186,15 @@ def test_the_layouts_benchmark_runs_on_tiny_sizes(tmp_path):
     "| find, kernels: lean slowest / fastest <= 1.2 | ",
   ):
     assert row in text, text
+
+
+def test_the_leaks_benchmark_runs_on_tiny_sizes():
+  """``benchmarks.leaks`` in this process, each workload three times, then the report."""
+  from benchmarks import leaks
+
+  runs = {workload: leaks.measure(workload, 3) for workload in leaks.WORKLOADS}
+  assert [r["iteration"] for r in runs["requests"]] == [1, 2, 3], runs
+  assert all(r["rss_mb"] > 0 and r["fds"] > 0 and r["threads"] >= 1 for rs in runs.values() for r in rs), runs
+  text = leaks.report(runs)
+  for workload in leaks.WORKLOADS:
+    assert f"| {workload} | 3 | " in text, text

@@ -16,7 +16,6 @@ process may be replacing meanwhile, all of its files from one save.
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 import tempfile
@@ -153,6 +152,13 @@ def remove_stale(path: str, keep: tuple[str, ...] = ()) -> None:
 
 
 def _beside(path: str, kind: str) -> list[str]:
+  """The directories ``.<name>.<kind>*`` beside ``path``. Listed and matched by prefix, not with
+  ``glob``: ``fnmatch`` keeps every pattern it compiled (up to 32,768), one per checkpoint path."""
   parent, name = os.path.split(os.fspath(path))
-  pattern = os.path.join(glob.escape(parent), f".{glob.escape(name)}.{kind}*")
-  return sorted(d for d in glob.glob(pattern) if os.path.isdir(d) and not os.path.islink(d))
+  prefix = f".{name}.{kind}"
+  try:
+    entries = os.listdir(parent or os.curdir)
+  except OSError:  # no parent directory (nothing beside), or not a directory
+    return []
+  found = (os.path.join(parent, e) for e in entries if e.startswith(prefix))
+  return sorted(d for d in found if os.path.isdir(d) and not os.path.islink(d))

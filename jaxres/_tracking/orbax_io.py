@@ -27,6 +27,9 @@ import orbax.checkpoint as ocp
 
 from jaxres._persistence import files, processes, replacing
 from jaxres._persistence.processes import Blocks
+from jaxres._tracking import tensorstore_json
+
+tensorstore_json.install()  # TensorStore's to_json leaks what it returns; Orbax calls it per array
 
 ARRAYS_DIR = "arrays"
 MANIFEST_ITEM = "manifest"  # Orbax's JSON item: manifest/metadata
