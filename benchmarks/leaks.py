@@ -37,7 +37,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,12 +46,12 @@ WORKLOADS = ("checkpoint", "manager", "requests")
 def _reading(iteration: int) -> dict:
   gc.collect()
   with open("/proc/self/status") as f:
-    rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    status = dict(line.split(":", 1) for line in f)
   return {
     "iteration": iteration,
-    "rss_mb": rss / 1024,
+    "rss_mb": int(status["VmRSS"].split()[0]) / 1024,
     "fds": len(os.listdir("/proc/self/fd")),
-    "threads": threading.active_count(),
+    "threads": int(status["Threads"]),  # the native ones too (XLA's, TensorStore's)
     "objects": len(gc.get_objects()),
   }
 
@@ -74,6 +73,8 @@ def measure(workload: str, n: int) -> list[dict]:
 
   import jaxres as jr
 
+  if workload not in WORKLOADS:
+    raise ValueError(f"workload: one of {WORKLOADS}, not {workload!r}")
   every = max(1, n // 20)
   folder = tempfile.mkdtemp(prefix="jaxres-leaks-")
   root = _table()
@@ -96,7 +97,7 @@ def measure(workload: str, n: int) -> list[dict]:
       jr.Checkpoint(model=fresh).restore(path).assert_consumed()
       shutil.rmtree(path)
 
-  elif workload == "requests":
+  else:  # requests
     import jax
 
     batch = jax.ShapeDtypeStruct(("batch",), np.int32)
@@ -108,8 +109,6 @@ def measure(workload: str, n: int) -> list[dict]:
       out = np.asarray(score(ids=np.arange(i, dtype=np.int32) % 150)["output"])
       assert out.shape == (i,) and out[min(i, 100) - 1] == min(i, 100) - 1, out
 
-  else:
-    raise ValueError(f"workload: one of {WORKLOADS}, not {workload!r}")
   readings = []
   try:
     for i in range(1, n + 1):
