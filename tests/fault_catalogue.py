@@ -1,10 +1,12 @@
 """Single-bit flips of every file of a checkpoint, an incremental step or an export, read back.
 
-Run as ``python fault_catalogue.py KIND SEED FLIPS`` (``test_hostile_files.py``
+Run as ``python fault_catalogue.py KIND SEED FLIPS [BITS]`` (``test_hostile_files.py``
 runs it in a child process, so that a crash or a hang would be seen as one
 rather than take the test run down). For each flip, a copy of the directory
 gets one bit of one file flipped (files in turn, the bit drawn from
-``SEED``), then is read back as a user would: ``refused`` (a ``ValueError``),
+``SEED``); with ``BITS`` 2, every other trial flips a second bit too, in a
+file drawn at random (two flips can switch a check off where one cannot);
+then the copy is read back as a user would: ``refused`` (a ``ValueError``),
 ``exact`` (read back equal to what was saved), or anything else, which is a
 fault: a silent wrong answer (``wrong <file>``) or another exception
 (``<Exception> <file>``). Prints the counts as one JSON line.
@@ -93,7 +95,14 @@ def _export(base: Path):
 KINDS = {"checkpoint": _checkpoint, "step": _step, "export": _export}
 
 
-def main(kind: str, seed: int, flips: int) -> dict:
+def _flip(file: Path, rng) -> None:
+  data = bytearray(file.read_bytes())
+  bit = int(rng.integers(8 * len(data)))
+  data[bit // 8] ^= 1 << (bit % 8)
+  file.write_bytes(bytes(data))
+
+
+def main(kind: str, seed: int, flips: int, bits: int = 1) -> dict:
   base = Path(tempfile.mkdtemp(prefix="jaxres-faults-"))
   try:
     path, read = KINDS[kind](base)
@@ -104,10 +113,9 @@ def main(kind: str, seed: int, flips: int) -> dict:
       copy = base / f"flip{trial}"
       shutil.copytree(path, copy)
       name = files[trial % len(files)]
-      data = bytearray((copy / name).read_bytes())
-      bit = int(rng.integers(8 * len(data)))
-      data[bit // 8] ^= 1 << (bit % 8)
-      (copy / name).write_bytes(bytes(data))
+      _flip(copy / name, rng)
+      if trial % bits:
+        _flip(copy / files[int(rng.integers(len(files)))], rng)
       try:
         counts["exact" if read(copy) else f"wrong {name}"] += 1
       except ValueError:
@@ -121,4 +129,4 @@ def main(kind: str, seed: int, flips: int) -> dict:
 
 
 if __name__ == "__main__":
-  print(json.dumps(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))
+  print(json.dumps(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *map(int, sys.argv[4:5]))))

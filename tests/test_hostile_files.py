@@ -604,12 +604,13 @@ def test_restores_that_wait_do_not_pile_up(tmp_path):
 
 
 def test_fault_catalogue_of_checkpoints_steps_and_exports():
-  """100 seeded single-bit flips over every file of a checkpoint, an incremental step and an export
-  (``fault_catalogue.py``, in child processes so that a crash or a hang shows as one): each is
-  refused with a ValueError or read back exactly; none answers wrongly or raises anything else."""
+  """100 seeded trials over every file of a checkpoint, an incremental step and an export, half of them
+  one flipped bit and half two (``fault_catalogue.py``, in child processes so that a crash or a hang
+  shows as one): each is refused with a ValueError or read back exactly; none answers wrongly or
+  raises anything else."""
   script = os.path.join(os.path.dirname(__file__), "fault_catalogue.py")
   children = {
-    kind: subprocess.Popen([sys.executable, script, kind, "0", "100"], stdout=subprocess.PIPE, text=True)
+    kind: subprocess.Popen([sys.executable, script, kind, "0", "100", "2"], stdout=subprocess.PIPE, text=True)
     for kind in ("checkpoint", "step", "export")
   }
   for kind, child in children.items():
