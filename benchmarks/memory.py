@@ -4,9 +4,10 @@ For rows of ``--features`` float32 (16 by default), each row optimizer and
 key dtype, with and without eviction: the bytes per row of a
 ``jr.DynamicEmbedding`` (``memory()``'s sum over its capacity, built
 abstractly at ``--capacity``), split into the row, its optimizer state and
-the index, and the index beyond the row's data. Admission (``min_count=2``)
-adds its bytes per counted id. Then the index of a table by storage, side by
-side (today's open addressing and the lean layout of issue 66): the bytes a
+the index, and the index beyond the row's data. Admission (``min_count`` 2
+and 256: one- and two-byte counts) adds its bytes per counted id. Then the
+index of a table by storage, side by side (today's open addressing and the
+lean layout of issue 66): the bytes a
 table holds beyond its value rows, per entry and per slot. Nothing is timed:
 the figures are the arrays' sizes, the same on every machine.
 """
@@ -99,10 +100,13 @@ def report(capacity: int, features: int) -> str:
           f"| `{name}` | {key_name} | {eviction or 'none'} | {sum(held.values()) / capacity:.1f} "
           f"| {per['rows']:.1f} | {per['optimizer']:.1f} | {per['index']:.1f} |"
         )
-  lines += ["", "| admission (`min_count=2`) | ids | bytes per counted id |", "|---|---|---|"]
+  lines += ["", "| admission | ids | `min_count` | bytes per counted id |", "|---|---|---|---|"]
   for key_name, key in KEYS.items():
-    held = parts(capacity, features, optimizer=optax.sgd(0.1), key=key, min_count=2)
-    lines.append(f"| `admission_capacity` ids | {key_name} | {held['admission'] / capacity:.1f} |")
+    for min_count in (2, 256):  # one-byte counts up to 255, two-byte ones from 256
+      held = parts(capacity, features, optimizer=optax.sgd(0.1), key=key, min_count=min_count)
+      lines.append(
+        f"| `admission_capacity` ids | {key_name} | {min_count} | {held['admission'] / capacity:.1f} |"
+      )
   lines += [
     "",
     "Bytes per row: `memory()`'s sum over the capacity. Index: the hash table's keys, slots, scores, "

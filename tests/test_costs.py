@@ -360,7 +360,7 @@ class _Collection(nnx.Module):
         eviction=jr.LFU(),
         min_count=2,
         oov_buckets=64,
-        admission_capacity=CAPACITY // 2,
+        admission_capacity=1580,  # 13 x 124 slots: no batch-shaped array of a step has as many elements
       ),
     }
     features = {
@@ -403,7 +403,11 @@ def _compiled_collection_step(model):
   return _collection_step.lower(model, optimizer, batch, jnp.ones(BATCH, jnp.float32)).compile()
 
 
-_UPSERT = re.compile(r"= \((u32\[\d+,\d+\])\{[^}]*\}, pred\[(\d+)\].*custom_call_target=\"jaxres_upsert\"")
+# An upsert kernel's call: its first output (the table's first array, which tells the tables apart), the
+# first bool[N] (the rows it took) and the kernel (open addressing's, or the lean layout's).
+_UPSERT = re.compile(
+  r"= \((u32\[[\d,]+\])\{[^}]*\}.*?pred\[(\d+)\].*custom_call_target=\"(jaxres_(?:lean_)?upsert)\""
+)
 
 
 def test_the_collection_step_locates_each_table_once_with_the_model_donated():
@@ -414,15 +418,19 @@ def test_the_collection_step_locates_each_table_once_with_the_model_donated():
   if not native.kernels_traced():
     return  # the same calls, made of XLA operations: nothing names them in the program
   upserts = sorted(m.groups() for m in map(_UPSERT.search, compiled.as_text().splitlines()) if m)
-  shape = lambda table: "u32[{},{}]".format(*table.buckets.shape)
+  first = lambda array: "u32[{}]".format(",".join(map(str, array.shape)))
   items, users = model.emb.tables["items"], model.emb.tables["users"]
-  expected = {
-    shape(items.table.get_value()): str(BATCH * (1 + _Collection.HISTORY + _Collection.TAGS)),
-    shape(users.table.get_value()): str(BATCH),
-    shape(users.counts.get_value()): str(BATCH),
-  }
-  assert len(expected) == 3, "the tables' bucket arrays must differ in shape to be told apart"
-  assert upserts == sorted(expected.items())
+  expected = [
+    (
+      first(items.table.get_value().buckets),
+      str(BATCH * (1 + _Collection.HISTORY + _Collection.TAGS)),
+      "jaxres_upsert",
+    ),
+    (first(users.table.get_value().buckets), str(BATCH), "jaxres_upsert"),
+    (first(users.counts.get_value().digests), str(BATCH), "jaxres_lean_upsert"),  # the admission counts
+  ]
+  assert len({shape for shape, *_ in expected}) == 3, "the tables' first arrays must differ in shape"
+  assert upserts == sorted(expected)
 
 
 def test_the_sharded_collection_step_with_the_model_donated():

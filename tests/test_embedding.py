@@ -395,6 +395,7 @@ def test_sharded_with_eviction_stays_within_capacity_and_restores_on_other_meshe
     ({"features": 0}, ValueError, "features"),
     ({"features": 2.0}, TypeError, "features"),
     ({"min_count": 0}, ValueError, "min_count"),
+    ({"min_count": 65_536}, ValueError, "min_count"),  # more than an admission count holds
     ({"optimizer": "adam"}, TypeError, "optimizer"),
     ({"optimizer": optax.adam}, TypeError, "optimizer"),
     ({"optimizer": optax.clip_by_global_norm(1.0)}, ValueError, "optimizer"),
@@ -476,6 +477,26 @@ def test_composite_ids_export_sorted_by_element():
 def test_an_empty_embedding_exports_nothing():
   ids, rows = _embedding().export()
   assert ids.shape == (0,) and ids.dtype == np.int64 and rows.shape == (0, FEATURES)
+
+
+@pytest.mark.parametrize("min_count", [200, 300], ids=["uint8", "uint16"])
+def test_counts_stop_at_min_count_however_often_an_id_comes(min_count):
+  """Counts are one or two bytes: a batch repeating an id more often than they hold admits it at its
+  ``min_count``-th occurrence all the same (an oracle of occurrences)."""
+  emb = _embedding(8, min_count=min_count, admission_capacity=8)
+  assert emb.counts.get_value().value_spec.leaves[0].dtype == (np.uint8 if min_count < 256 else np.uint16)
+  seen = collections.Counter()
+  batches = [[5] * 150 + [6] * 700, [5] * 100 + [7] * (min_count - 1), [7, 7, 5]]
+  for batch in batches:
+    admitted = set(_rows(emb))
+    expected = []
+    for key in batch:
+      seen[key] += 1
+      expected.append(key in admitted or seen[key] >= min_count)
+    rows = np.asarray(emb(np.array(batch, np.int64)))
+    assert rows.any(axis=1).tolist() == expected
+  admitted = sum(n >= min_count for n in seen.values())
+  assert emb.stats()["admitted"] == admitted == (3 if min_count < 250 else 2)
 
 
 def test_occurrences_within_a_batch_count_in_batch_order():

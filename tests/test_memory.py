@@ -204,7 +204,9 @@ def test_a_row_costs_at_most_a_few_bytes_beyond_its_row_and_moments(key, limit, 
   assert (sum(emb.memory().values()) - data) / capacity <= limit
 
 
-@_LEAN
-def test_admission_costs_at_most_16_bytes_per_counted_id():
-  emb = _embedding(1 << 12, 16, min_count=2, admission_capacity=1 << 12)
-  assert emb.memory()["admission"] / (1 << 12) <= 16
+@pytest.mark.parametrize(("key", "limit"), [(jnp.int64, 16), (jnp.int32, 12)], ids=["int64", "int32"])
+@pytest.mark.parametrize("min_count", [2, 255, 256, 65_535])
+def test_admission_costs_at_most_16_bytes_per_counted_id(key, limit, min_count):
+  capacity = 1 << 12
+  emb = _embedding(capacity, 16, key=key, min_count=min_count, admission_capacity=capacity)
+  assert emb.memory()["admission"] / capacity <= limit

@@ -10,6 +10,7 @@ updates (``rows.npy``).
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -120,3 +121,20 @@ def test_full_and_incremental_steps_of_the_bucket_layout_restore_exactly(step, s
   if storage == "open_addressing":
     assert old_layout.entries(root) == expected
   assert _unordered(old_layout.entries(root)) == _unordered(expected)
+
+
+def test_admission_counts_of_the_bucket_layout_restore_as_todays_counts():
+  """The checkpoint's counts are int32 in an open-addressing table; today's are one byte, stopping at
+  ``min_count``, in a lean one: restored, they equal the counts of the same steps replayed."""
+  root = old_layout.build(1)
+  jr.Checkpoint(root=root).restore(str(LAYOUT / "ckpt")).assert_consumed()
+  replayed = old_layout.build(1)
+  for batch in range(3):
+    old_layout._step(replayed.model, batch)  # what wrote the checkpoint, after its three steps
+
+  def counts(model) -> dict:
+    keys, values, valid = jax.device_get(model.emb.counts.get_value().export())
+    return dict(zip(np.asarray(keys)[valid].tolist(), np.asarray(values)[valid].tolist()))
+
+  restored = counts(root.model)
+  assert restored == counts(replayed.model) and restored and set(restored.values()) == {1}

@@ -26,7 +26,7 @@ from jaxres._core import display, memory
 from jaxres._core.policies import LRFU
 from jaxres._core.storages import registry
 from jaxres._errors import check_int
-from jaxres._nn import pooling
+from jaxres._nn import admission, pooling
 from jaxres._nn.embedding import DynamicEmbedding
 
 
@@ -73,7 +73,7 @@ class TableConfig:
   def __post_init__(self):
     check_int(self.capacity, "capacity", low=1)
     check_int(self.features, "features", low=1)
-    check_int(self.min_count, "min_count", low=1)
+    admission.check_min_count(self.min_count)
     check_int(self.oov_buckets, "oov_buckets", low=0)
     registry.writable(self.storage)
 

@@ -63,6 +63,15 @@ class EmbeddingCounters(EmbeddingState):
   """
 
 
+class AdmissionCounts(EmbeddingState):
+  """The occurrences of ids waiting for a row (:mod:`jaxres._nn.admission`), each stopping at ``min_count``.
+
+  Its metadata ``min_count`` lets a checkpoint of counts in another integer
+  dtype (written before counts stopped at ``min_count``, or with another
+  ``min_count``) be restored: each count kept, at most ``min_count``.
+  """
+
+
 class RecentRows(nnx.Variable):
   """The rows the last lookup found, kept for :meth:`DynamicEmbedding.apply_gradients` (not checkpointed).
 
@@ -98,9 +107,10 @@ class DynamicEmbedding(nnx.Module):
     refused once the table is full.
   - **Admission.** With ``min_count > 1``, an id gets a row at its
     ``min_count``-th occurrence, counted in a bounded table of
-    ``admission_capacity`` ids (it never
-    admits early; it may admit late when more than ``admission_capacity``
-    unadmitted ids arrive between two occurrences of an id).
+    ``admission_capacity`` ids, about 14.3 bytes a counted int64 id. It never
+    admits early; once the counts are full, a new id takes the place of the
+    id counted least recently among its candidates, whose count is lost, so
+    an id may be admitted late.
   - **Refused ids** (not admitted yet, or a full table without eviction)
     read zeros and get no update; an evicted or refused id that comes back
     starts afresh.
@@ -141,7 +151,7 @@ class DynamicEmbedding(nnx.Module):
     eviction: ``jr.LRFU()`` (the default: the lowest loss of the policies on
       the quality tasks, stationary and drifting; see the embeddings guide),
       ``jr.LRU()``, ``jr.LFU()`` or ``None`` (a full table refuses new ids).
-    min_count: occurrences an id needs to get a row (1: at once).
+    min_count: occurrences an id needs to get a row (1: at once; at most 65,535).
     initializer: ``initializer(key, shape, dtype)``, as ``nnx.initializers``
       (``None``, the default: ``normal(0.01)``).
     rngs: ``nnx.Rngs``; its ``params`` stream gives the seed of new rows.
@@ -219,7 +229,7 @@ class DynamicEmbedding(nnx.Module):
     ids = _id_codec(key, max_length)
     oov_buckets = check_int(oov_buckets, "oov_buckets", low=0)
     features = check_int(features, "features", low=1)
-    min_count = check_int(min_count, "min_count", low=1)
+    min_count = admission.check_min_count(min_count)
     eviction = check_policy(eviction)
     if eviction is not None and eviction.takes_scores:
       raise ValueError(f"eviction: {eviction} needs scores from the caller; use jr.LRU() or jr.LFU().")
@@ -269,9 +279,9 @@ class DynamicEmbedding(nnx.Module):
       label=label,
     )
     counts = (
-      replicated(admission.counter(room, ids.spec), mesh) if min_count > 1 else None
+      replicated(admission.counter(room, ids.spec, min_count), mesh) if min_count > 1 else None
     )  # a copy on each device
-    self.counts = None if counts is None else EmbeddingState(counts)
+    self.counts = None if counts is None else AdmissionCounts(counts, min_count=min_count)
     self.seed = EmbeddingState(jax.random.key_data(rngs.params()))
     self.counters = EmbeddingCounters(counters.zeros(), admits=min_count > 1)
     seed = self.seed.get_value()

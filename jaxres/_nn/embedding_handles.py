@@ -16,6 +16,10 @@ which ``max_length`` takes them.
 **Counters from before refusals were split** by cause (three counters where
 there are four): :class:`CountersHandle` reads them with
 :func:`jaxres._nn.counters.split_refusals`.
+
+**Admission counts of another integer dtype** (``int32`` before counts
+stopped at ``min_count``; ``uint8`` or ``uint16`` with another ``min_count``):
+:class:`AdmissionCountsHandle` reads them with :func:`counts_as`.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import numpy as np
 from jaxres._core.encoding import strings
 from jaxres._integrations.nnx import VariableHandle
 from jaxres._nn import counters
-from jaxres._nn.embedding import EmbeddingCounters, EmbeddingRows, EmbeddingStep
+from jaxres._nn.embedding import AdmissionCounts, EmbeddingCounters, EmbeddingRows, EmbeddingStep
 from jaxres._nn.rowwise import RowOptimizer
 from jaxres._persistence import saved_entries
 from jaxres._persistence.processes import Blocks
@@ -150,6 +154,40 @@ class CountersHandle(VariableHandle):
     return super().restore(arrays)
 
 
+def counts_as(arrays, dtype, min_count: int) -> dict:
+  """``arrays`` of an admission count table with its saved counts (``values``) in ``dtype``, each at
+  most ``min_count`` (an id counted that often is admitted at its next occurrence).
+
+  Raises:
+    ValueError: a negative count (a damaged or crafted checkpoint), named.
+
+  Examples:
+    >>> import numpy as np
+    >>> arrays = {"keys": np.array([7, 9]), "values": np.array([1, 300], np.int32)}
+    >>> counts_as(arrays, np.uint8, 2)["values"]
+    array([1, 2], dtype=uint8)
+  """
+  saved = arrays.get("values")
+  if saved is None or isinstance(saved, Blocks) or np.dtype(saved.dtype) == dtype:
+    return arrays
+  saved = np.asarray(saved)
+  if saved.dtype.kind not in "iu":
+    return arrays  # not counts: the table's own check names it
+  if saved.size and saved.min() < 0:
+    raise ValueError(f"values: a negative admission count ({saved.min()}): corrupted.")
+  return arrays | {"values": np.minimum(saved, min_count).astype(dtype)}
+
+
+class AdmissionCountsHandle(VariableHandle):
+  """An embedding's admission counts: restored as any table's, counts of another integer dtype
+  converted (:func:`counts_as`)."""
+
+  def restore(self, arrays):
+    (leaf,) = self.obj.get_value().value_spec.leaves
+    return super().restore(counts_as(arrays, np.dtype(leaf.dtype), self.obj.get_metadata()["min_count"]))
+
+
 handles.register(EmbeddingRows, EmbeddingRowsHandle.of)
+handles.register(AdmissionCounts, AdmissionCountsHandle.of)
 handles.register(EmbeddingStep, EmbeddingStepHandle.of)
 handles.register(EmbeddingCounters, CountersHandle.of)

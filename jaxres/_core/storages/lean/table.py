@@ -68,7 +68,7 @@ class LeanTable(KeptSlots):
   values: tuple  # leaves [num_slots, *storage_shape]: each slot's value row
   default: tuple  # leaves [*storage_shape]
   slot_scores: jax.Array  # uint32[num_slots] with an eviction policy, else uint32[0]
-  row_stamps: jax.Array  # uint32[num_slots]: the version when each slot's entry last changed
+  row_stamps: jax.Array  # uint32[num_slots]: the version when each slot's entry last changed (or uint32[0])
   version: jax.Array  # uint32: calls that changed the table so far (see Storage)
   size: jax.Array  # shape=(), dtype=int32
   dropped: jax.Array  # shape=(), dtype=int32
@@ -92,6 +92,7 @@ class LeanTable(KeptSlots):
     bucket_size: int | None = None,
     eviction: Policy | None = None,
     eviction_window=None,
+    stamps: bool = True,
   ) -> LeanTable:
     """An empty table guaranteed to hold ``capacity`` live entries, however its keys hash.
 
@@ -113,10 +114,15 @@ class LeanTable(KeptSlots):
       eviction_window: must be ``None``: a new key's candidates are the slots of
         its two buckets, not windows of buckets (an option of
         :class:`OpenAddressingTable`).
+      stamps: whether each slot keeps a change stamp (4 bytes a slot), so that
+        :meth:`changes` reads what changed since a version and an incremental
+        checkpoint saves that alone. Without, every live entry counts as changed
+        (what a table that needs no deltas saves, such as an embedding's
+        admission counts).
 
     Raises:
       TypeError: unsupported key or value dtype, non-integer ``capacity`` or
-        ``bucket_size``, an ``eviction`` that is not a policy.
+        ``bucket_size``, an ``eviction`` that is not a policy, ``stamps`` not a bool.
       ValueError: ``capacity`` or ``bucket_size`` out of range, or an ``eviction_window`` given.
 
     Examples:
@@ -134,9 +140,15 @@ class LeanTable(KeptSlots):
       >>> t, evicted = t.insert_and_evict(jnp.array([3]), jnp.ones(1))
       >>> evicted.keys.tolist(), int(t.size), int(t.evictions)
       ([2], 2, 1)
+      >>> stamped = LeanTable.create(1000, key=jnp.int64, value=jnp.uint8, eviction=jr.LRU())
+      >>> plain = LeanTable.create(1000, key=jnp.int64, value=jnp.uint8, eviction=jr.LRU(), stamps=False)
+      >>> stamped.memory()["index"] - plain.memory()["index"] == 4 * plain.num_slots
+      True
     """
     capacity = check_capacity(capacity)
     eviction = check_policy(eviction)
+    if not isinstance(stamps, bool):
+      raise TypeError(f"stamps: expected a bool, got {stamps!r}.")
     if eviction_window is not None:
       message = "a LeanTable evicts among a new key's two buckets; expected None"
       raise ValueError(f"eviction_window: {message}, got {eviction_window!r}.")
@@ -146,7 +158,7 @@ class LeanTable(KeptSlots):
       if bucket_size % PER_WORD:
         raise ValueError(f"bucket_size: expected a multiple of {PER_WORD}, got {bucket_size}.")
     shape = geometry(capacity, bucket_size, evicting=eviction is not None)
-    return _empty(capacity, key_spec, value_spec, default, *shape, eviction)
+    return _empty(capacity, key_spec, value_spec, default, *shape, eviction, stamps)
 
   # ------------------------------------------------------------- layout
 
@@ -201,7 +213,8 @@ class LeanTable(KeptSlots):
     evicting = self.eviction is not None
     chosen = geometry(self.capacity, evicting=evicting) == (self.num_buckets, self.bucket_size)
     shape = geometry(capacity, None if chosen else self.bucket_size, evicting=evicting)
-    return _empty(capacity, self.key_spec, self.value_spec, self.default, *shape, self.eviction)
+    stamps = self.row_stamps.shape[0] > 0
+    return _empty(capacity, self.key_spec, self.value_spec, self.default, *shape, self.eviction, stamps)
 
   # ------------------------------------------------------------ queries
 
@@ -389,8 +402,8 @@ def _jit_place(table: LeanTable, words, leaves, given_scores, slots, valid) -> L
 
 
 # One program builds an empty table; only ``default`` is an array argument.
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 4, 5, 6))
-def _empty(capacity, key_spec, value_spec, default, num_buckets, bucket_size, eviction):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 4, 5, 6, 7))
+def _empty(capacity, key_spec, value_spec, default, num_buckets, bucket_size, eviction, stamps):
   slots = num_buckets * bucket_size
   return LeanTable(
     keys=jnp.zeros((slots, key_spec.num_words), jnp.uint32),
@@ -399,6 +412,6 @@ def _empty(capacity, key_spec, value_spec, default, num_buckets, bucket_size, ev
     num_buckets=num_buckets,
     bucket_size=bucket_size,
     **empty_fields(
-      capacity, key_spec, value_spec, default, slots=slots, rows=slots, eviction=eviction, stamps=True
+      capacity, key_spec, value_spec, default, slots=slots, rows=slots, eviction=eviction, stamps=stamps
     ),
   )
