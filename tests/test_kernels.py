@@ -393,6 +393,33 @@ def test_lean_evict_kernel_equals_its_reference(num_words, bucket_size, protect,
 
 
 @pytest.mark.skipif(not native.ENABLED, reason="kernels off")
+@pytest.mark.parametrize("protect", [False, True])
+def test_a_large_lean_eviction_equals_its_reference(protect):
+  """A batch of 4096 new keys into a full table of 32 buckets of 128: many rows a bucket, so rows
+  share the buckets they read within a round and across rounds (the kernel reads a bucket's lowest
+  score once until a winner writes it), scores with ties."""
+  rng = np.random.default_rng(7)
+  table = LeanTable.create(4000, key=KEYS[2], value=jnp.float32, eviction=jr.CustomScore())
+  table = _insert_rows(
+    table, jnp.asarray(rng.integers(0, 2**32, (4000, 2), dtype=np.uint32)), [jnp.ones(4000)]
+  )
+  live = np.flatnonzero(np.asarray(table._slots()[1]))
+  scores = np.full(table.num_slots, np.iinfo(np.uint32).max, np.uint32)
+  scores[live] = rng.integers(0, 50, len(live), dtype=np.uint32)
+  words = jnp.asarray(rng.integers(0, 2**32, (4096, 2), dtype=np.uint32))
+  new_score = jnp.asarray(
+    rng.integers(0, 60, 4096, dtype=np.uint32) if protect else np.full(4096, 40, np.uint32)
+  )
+  named = jnp.asarray(np.where(rng.random(4096) < 0.5, rng.choice(live, 4096), -1).astype(np.int32))
+  args = (table.layout, *table._arrays(), jnp.asarray(scores), words, jnp.ones(4096, bool), new_score, named)
+  kernel = _lean_evict(*args, protect=protect)
+  with native.references():
+    reference = _lean_evict(*args, protect=protect)
+  _assert_same(kernel, reference)
+  assert 1000 < int(np.sum(reference.placed)) and int(np.sum(reference.refused)) > 0
+
+
+@pytest.mark.skipif(not native.ENABLED, reason="kernels off")
 @pytest.mark.parametrize(("num_words", "bucket_size"), [(1, 4), (2, None), (3, 8)])
 @pytest.mark.parametrize("policy", ["LRU", "LFU", "CustomScore"])
 @settings(max_examples=2, deadline=None)

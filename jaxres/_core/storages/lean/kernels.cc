@@ -549,14 +549,59 @@ inline int64_t LowestIn(const uint32_t* scores, int64_t base, int64_t size, uint
   return base + at;
 }
 
-// eviction._lowest: the first slot of lowest score in buckets `a` then `b` (a tie goes to `a`).
-inline int64_t Lowest(const uint32_t* scores, int64_t a, int64_t b, int64_t bucket_size, uint32_t* score) {
-  uint32_t low_a, low_b;
-  const int64_t best_a = LowestIn(scores, a * bucket_size, bucket_size, &low_a);
-  const int64_t best_b = LowestIn(scores, b * bucket_size, bucket_size, &low_b);
-  *score = low_b < low_a ? low_b : low_a;
-  return low_b < low_a ? best_b : best_a;
-}
+// Each bucket's lowest score and its first slot (LowestIn), kept from the round that read them until
+// a write to the bucket's scores: the rows of a round that share a bucket, and the later rounds
+// that read a bucket no winner wrote, scan its scores once. Keyed by bucket in a table sized by
+// the batch (a row reads two buckets), never by the capacity.
+class BucketLows {
+ public:
+  BucketLows(const uint32_t* scores, int64_t bucket_size, int64_t rows)
+      : scores_(scores), bucket_size_(bucket_size), cells_(ScratchSize(rows, 4)) {}
+
+  // Whether `bucket`'s lowest score is known (its scores need not be fetched).
+  bool Known(int64_t bucket) const {
+    const Cell& c = cells_[Find(bucket)];
+    return c.bucket == bucket && c.fresh;
+  }
+
+  // eviction._lowest: the first slot of lowest score in buckets `a` then `b` (a tie goes to `a`).
+  int64_t Lowest(int64_t a, int64_t b, uint32_t* score) {
+    const Cell &low_a = Read(a), &low_b = Read(b);
+    *score = low_b.low < low_a.low ? low_b.low : low_a.low;
+    return low_b.low < low_a.low ? low_b.best : low_a.best;
+  }
+
+  // `bucket`'s scores changed: read them again when next asked.
+  void Forget(int64_t bucket) {
+    Cell& c = cells_[Find(bucket)];
+    if (c.bucket == bucket) c.fresh = false;
+  }
+
+ private:
+  struct Cell {
+    int64_t bucket = -1, best = 0;
+    uint32_t low = 0;
+    bool fresh = false;
+  };
+  int64_t Find(int64_t bucket) const {  // its cell, or the empty cell where it goes (linear probing)
+    const int64_t mask = static_cast<int64_t>(cells_.size()) - 1;
+    int64_t at = static_cast<int64_t>((static_cast<uint64_t>(bucket) * 0x9E3779B97F4A7C15ull) >> 40) & mask;
+    while (cells_[at].bucket != bucket && cells_[at].bucket >= 0) at = (at + 1) & mask;
+    return at;
+  }
+  const Cell& Read(int64_t bucket) {
+    Cell& c = cells_[Find(bucket)];
+    if (c.bucket != bucket || !c.fresh) {
+      c.bucket = bucket;
+      c.best = LowestIn(scores_, bucket * bucket_size_, bucket_size_, &c.low);
+      c.fresh = true;
+    }
+    return c;
+  }
+  const uint32_t* scores_;
+  int64_t bucket_size_;
+  std::vector<Cell> cells_;
+};
 
 // eviction.evict: the keys of the `pending` rows (distinct new keys of a full table) take the slot
 // of the entry of lowest score of their two buckets where it scores below them, in rounds of the
@@ -615,6 +660,7 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> digests_in, ffi::Buffer<ffi::U32> keys_in
     queue.push_back(i);
   }
   const int64_t m = std::min(n, std::max<int64_t>(kChunkMinRows, kLeanRowsPerBucket * nb));
+  BucketLows lows(scores, bucket_size, std::max<int64_t>(queue.size(), 1));
   Claims claims;
   for (int32_t rounds = 0; !queue.empty(); ++rounds) {
     const int64_t r = std::min<int64_t>(m, queue.size());
@@ -622,12 +668,13 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> digests_in, ffi::Buffer<ffi::U32> keys_in
     low.resize(r);
     for (int64_t p = 0; p < r; ++p) {
       const int64_t i = queue[p];
-      if (p + kAhead < r) {  // the scores of both buckets of the row kAhead on
+      if (p + kAhead < r) {  // the scores of both buckets of the row kAhead on, unless known
         const int64_t ahead = queue[p + kAhead], bytes = bucket_size * sizeof(uint32_t);
-        PrefetchRow(reinterpret_cast<const char*>(scores + first[ahead] * bucket_size), bytes);
-        PrefetchRow(reinterpret_cast<const char*>(scores + second[ahead] * bucket_size), bytes);
+        for (const int64_t bucket : {first[ahead], second[ahead]}) {
+          if (!lows.Known(bucket)) PrefetchRow(reinterpret_cast<const char*>(scores + bucket * bucket_size), bytes);
+        }
       }
-      const int64_t victim = Lowest(scores, first[i], second[i], bucket_size, &low[p]);
+      const int64_t victim = lows.Lowest(first[i], second[i], &low[p]);
       candidate[p] = low[p] < new_score[i] ? victim : -1;
     }
     claims.Settle(candidate, rounds, ScratchSize(m), won);
@@ -646,6 +693,7 @@ ffi::Error Evict(ffi::Buffer<ffi::U32> digests_in, ffi::Buffer<ffi::U32> keys_in
         std::memcpy(victim_words + i * W, old, W * sizeof(uint32_t));
         t.Store(victim, words + i * W, digest[i]);
         scores[victim] = new_score[i];
+        lows.Forget(bucket);
         slot[i] = static_cast<int32_t>(victim);
         placed[i] = true;
         victim_score[i] = low[p];
