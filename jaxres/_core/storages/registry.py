@@ -44,8 +44,8 @@ STORAGES: dict[str, type[Storage]] = {
   "sorted": SortedTable,
   "lean": LeanTable,
 }
-# The storage of tables that change: stateful tables, embeddings, admission counts, sharded tables.
-# It must evict (embeddings and admission counts do).
+# The storage of tables that change: stateful tables, embeddings, sharded tables (admission counts are
+# always lean: jaxres._nn.admission). It must evict (embeddings do).
 DEFAULT = "open_addressing"
 # The storage of tables built once and then read: the static tables (compact).
 READ_ONLY = "sorted"
