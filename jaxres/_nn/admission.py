@@ -101,5 +101,5 @@ def admit(counts: Table, keys, words, candidates: jax.Array, min_count: int) -> 
   before = jnp.where(rows.found, kept.astype(jnp.int32), 0)
   admitted = candidates & (before + earlier + 1 >= min_count)
   total = jnp.minimum(before + occurrences, min_count).astype(kept.dtype)  # every row of an id: the same
-  counts = counts.write_rows(rows.index, total, valid=candidates & (rows.found | rows.inserted))
+  counts = counts.write_rows(rows.index, total, valid=candidates)  # a refused id's row, -1, is skipped
   return counts.remove(keys, valid=admitted), admitted
