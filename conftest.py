@@ -159,13 +159,16 @@ def pytest_collection_modifyitems(items):
 # slowest tests), the seconds each test spent tracing, lowering and compiling JAX programs, from
 # jax.monitoring's events. A test's tear-down report carries them to the xdist controller, which
 # prints the total and the tests that compiled the most. A compile that JAX's persistent cache
-# answers counts only its trace, lowering and cache read.
+# answers counts only its trace, lowering and cache read ("read"); "compile" is XLA compiling (a
+# warm run that still compiles meets programs the cache does not hold: shapes drawn anew each run).
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # a compile or a persistent-cache read
+_CACHE_READ = "/jax/compilation_cache/cache_retrieval_time_sec"  # a hit's read, inside _BACKEND_COMPILE
 _COMPILE_EVENTS = {
   "/jax/core/compile/jaxpr_trace_duration": "trace",
   "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
   _BACKEND_COMPILE: "compile",
 }
+_PHASES = ("trace", "lower", "read", "compile")  # seconds; beside them, counts of programs compiled and read
 _compile_seconds = collections.Counter()
 _COMPILE_PROPERTY = "jax_compile_s"
 
@@ -175,6 +178,12 @@ def _on_duration(event: str, duration: float, **_) -> None:
     _compile_seconds[_COMPILE_EVENTS[event]] += duration
   if event == _BACKEND_COMPILE:
     _loaded["executables"] += 1
+    _compile_seconds["programs compiled"] += 1
+  elif event == _CACHE_READ:  # a hit, reported before its _BACKEND_COMPILE event: a read, not a compile
+    _compile_seconds["read"] += duration
+    _compile_seconds["compile"] -= duration
+    _compile_seconds["programs read"] += 1
+    _compile_seconds["programs compiled"] -= 1
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
@@ -196,7 +205,7 @@ def pytest_runtest_teardown(item, nextitem):
     _drop_caches_near_the_map_limit()
     spent = collections.Counter(_compile_seconds)
     spent.subtract(item.stash.get(_compile_start, collections.Counter()))
-    item.user_properties.append((_COMPILE_PROPERTY, {k: round(v, 3) for k, v in spent.items() if v > 0}))
+    item.user_properties.append((_COMPILE_PROPERTY, {k: round(v, 3) for k, v in spent.items() if v > 0.0005}))
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -211,8 +220,14 @@ def pytest_terminal_summary(terminalreporter):
   total = collections.Counter()
   for spent in per_test.values():
     total.update(spent)
-  phases = ", ".join(f"{phase} {total[phase]:.0f} s" for phase in ("trace", "lower", "compile"))
-  terminalreporter.write_sep("=", f"JAX compile time: {sum(total.values()):.0f} s in tests ({phases})")
-  ranked = sorted(per_test.items(), key=lambda kv: -sum(kv[1].values()))[:15]
+  phases = ", ".join(f"{phase} {total[phase]:.0f} s" for phase in _PHASES)
+  seconds = sum(total[phase] for phase in _PHASES)
+  terminalreporter.write_sep(
+    "=",
+    f"JAX compile time: {seconds:.0f} s in tests ({phases}); programs compiled "
+    f"{total['programs compiled']:.0f}, read from the cache {total['programs read']:.0f}",
+  )
+  ranked = sorted(per_test.items(), key=lambda kv: -sum(kv[1][phase] for phase in _PHASES))[:15]
   for nodeid, spent in ranked:
-    terminalreporter.write_line(f"{sum(spent.values()):8.2f}s {nodeid}")
+    detail = ", ".join(f"{phase} {spent[phase]:.1f}" for phase in _PHASES if spent[phase] >= 0.05)
+    terminalreporter.write_line(f"{sum(spent[p] for p in _PHASES):8.2f}s {nodeid} ({detail})")
