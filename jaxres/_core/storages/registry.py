@@ -38,7 +38,7 @@ __all__ = [
   "writable",
 ]
 
-# "lean": the slot is the row (issue 66); reads in CPU kernels, writes on the XLA path; not the default.
+# "lean": the slot is the row (issue 66; kernels for reads and writes); not yet the default.
 STORAGES: dict[str, type[Storage]] = {
   "open_addressing": OpenAddressingTable,
   "sorted": SortedTable,
