@@ -18,6 +18,9 @@ import jaxres as jr
 from jaxres._core.storages.lean import LeanTable
 
 BATCH = 6
+# erase_if's predicate is a static argument of its jitted call: one function a threshold, made once, so that
+# a machine's steps reuse its program rather than tracing it again for a fresh lambda each time.
+BELOW = {t: (lambda keys, values, scores, t=t: values < t) for t in range(-9, 10)}
 POOL = (np.arange(40, dtype=np.int64) * 7919 + 2**40) * np.array([1, -1] * 20)  # 64-bit keys, exact
 
 
@@ -97,7 +100,7 @@ def machine_for(eviction, capacity, value=jnp.float32, storage=jr.OpenAddressing
 
     @rule(threshold=st.integers(-9, 9))
     def erase_if(self, threshold):
-      self.table = self.table.erase_if(lambda keys, values, scores: values < threshold)
+      self.table = self.table.erase_if(BELOW[threshold])
 
     @invariant()
     def every_mark_composes_to_now(self):

@@ -25,6 +25,9 @@ from hypothesis.stateful import RuleBasedStateMachine, rule
 import jaxres as jr
 from jaxres._tracking.checkpoint import collect
 
+# erase_if's predicate is a static argument of its jitted call: one function a limit, made once (a fresh
+# lambda each step would trace the program again).
+BELOW = {limit: (lambda keys, values, scores, limit=limit: values < limit) for limit in (1, 2, 3)}
 IDS = np.arange(48, dtype=np.int64) * 7919 + 2**40  # 64-bit ids, exact
 
 
@@ -126,7 +129,7 @@ class IncrementalMachine(RuleBasedStateMachine):
   @rule(limit=st.integers(1, 3))
   def expire(self, limit):
     counts = self.root.model.counts
-    counts.set_value(counts.get_value().erase_if(lambda keys, values, scores: values < limit))
+    counts.set_value(counts.get_value().erase_if(BELOW[limit]))
 
   @rule()
   def regrow(self):  # another layout: saved whole

@@ -246,6 +246,30 @@ def test_lean_read_kernels_equal_their_references(num_words, bucket_size, value,
 
 
 @pytest.mark.skipif(not native.ENABLED, reason="kernels off")
+@pytest.mark.parametrize(("bucket_size", "num_words", "width"), [(100, 1, 4), (128, 2, 1)])
+def test_lean_read_kernels_equal_their_references_past_64_slots(bucket_size, num_words, width):
+  """Buckets of more than 64 slots (an evicting table's): keys whose digests match past the 64th slot
+  of a bucket, in tables of several such buckets filled to capacity, found where the reference finds
+  them; rows of 16 bytes (4 float32) and of 4."""
+  rng = np.random.default_rng(bucket_size)
+  value = jax.ShapeDtypeStruct((width,), jnp.float32)
+  table = LeanTable.create(400, key=KEYS[num_words], value=value, default=-1.0, bucket_size=bucket_size)
+  assert table.layout.num_buckets >= 4
+  pool = rng.choice(2**32, (800, num_words), replace=False).astype(np.uint32)
+  rows = rng.random((400, width)).astype(np.float32)
+  table = _insert_rows(table, jnp.asarray(pool[:400]), [jnp.asarray(rows)])
+  assert int(table.size) == 400
+  words = jnp.asarray(pool)  # present, then absent
+  for defaults in ([], list(table.default)):
+    kernel, reference = _lean_reads(table, words, defaults, False), _lean_reads(table, words, defaults, True)
+    _assert_same(kernel, reference)
+  (hit, slot), (values, _) = (jax.tree.map(np.asarray, x) for x in reference)
+  assert hit[:400].all() and not hit[400:].any()
+  assert (slot[:400] % bucket_size >= 64).sum() > 50  # keys past the 64th slot of their bucket
+  np.testing.assert_array_equal(values[0], np.concatenate([rows, np.full((400, width), -1.0, np.float32)]))
+
+
+@pytest.mark.skipif(not native.ENABLED, reason="kernels off")
 def test_lean_reads_call_their_kernels():
   """On CPU a lean table's find and contains run the lookup kernel, and ``_locate`` the locate kernel."""
   table = LeanTable.create(64, key=jnp.int32, value=jnp.float32)

@@ -6,6 +6,8 @@ oracles are a dict and NumPy; the tables share two shapes (the oracle suites' ``
 of 64 entries in buckets of 8) and batches of ``BATCH`` rows, so the programs are few. The policy
 tests of eviction (HierarchicalKV's marks among them) run on this storage in ``test_eviction.py``."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,10 +22,15 @@ from jaxres._core.storages.lean.layout import geometry
 COLLIDING_CAPACITY = 64  # in buckets of 8: 9 buckets, 72 slots
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one program a layout and shape, not one a call
+def _buckets_of(layout, words):
+  return layout.buckets_of(words)
+
+
 def _hashes(table, candidates):
   """``(first, second, digest)`` of int32 ``candidates`` in ``table``'s layout (NumPy)."""
   words, _ = table.key_spec.encode(candidates)
-  return (np.asarray(x) for x in jax.jit(table.layout.buckets_of)(words))
+  return (np.asarray(x) for x in _buckets_of(table.layout, words))
 
 
 def _in_batches(table, op, keys, *args):

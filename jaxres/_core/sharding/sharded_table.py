@@ -132,8 +132,9 @@ class ShardedTable(Table):
       shard_capacity = _shard_capacity(capacity, num_shards, options.get("eviction"))
     shard_capacity = check_capacity(shard_capacity, "shard_capacity")
     one = storage.create(1, key, value, default, **options)  # checks the arguments; specs and default
+    shard = jax.eval_shape(lambda: storage.create(shard_capacity, key, value, default, **options))
     return cls(
-      parts=_laid_out(lambda: storage.create(shard_capacity, key, value, default, **options), mesh, axis),
+      parts=_laid_out(shard, one.default, mesh, axis),
       default=jax.device_put(one.default, NamedSharding(mesh, PartitionSpec())),  # as jit returns it
       mesh=mesh,
       axis=axis,
@@ -275,8 +276,9 @@ class ShardedTable(Table):
       shard_capacity = self.shard_capacity  # as created, perhaps by hand
     else:
       shard_capacity = _shard_capacity(capacity, self.num_shards, self.eviction)
-    first = dataclasses.replace(self._shard_structure, default=self.default)  # no shard copied out
-    parts = _laid_out(lambda: first._with_capacity(shard_capacity), self.mesh, self.axis)
+    # no shard copied out: the new shard's structure from the old one's
+    shard = jax.eval_shape(lambda old: old._with_capacity(shard_capacity), self._shard_structure)
+    parts = _laid_out(shard, self.default, self.mesh, self.axis)
     return dataclasses.replace(self, parts=parts, capacity=capacity)
 
   def _tick(self):
@@ -646,14 +648,23 @@ def _shard_capacity(capacity: int, num_shards: int, eviction) -> int:
   return capacity // num_shards
 
 
-def _laid_out(build, mesh: Mesh, axis: str) -> Storage:
-  """One copy of the table ``build()`` per device along ``axis``, as :attr:`ShardedTable.parts`."""
-  num_shards = mesh.shape[axis]
+def _laid_out(shard: Storage, default, mesh: Mesh, axis: str) -> Storage:
+  """One empty copy of ``shard`` (its leaves ``jax.ShapeDtypeStruct``, its default ``default``) per device
+  along ``axis``, as :attr:`ShardedTable.parts`: made on the devices, never whole on one."""
+  leaves, treedef = jax.tree.flatten(shard)
+  return _layer(treedef, tuple(leaves), NamedSharding(mesh, PartitionSpec(axis)))(default)
 
-  def parts():
-    return _end_to_end(jax.tree.map(lambda x: jnp.broadcast_to(x, (num_shards, *x.shape)), build()))
 
-  return jax.jit(parts, out_shardings=NamedSharding(mesh, PartitionSpec(axis)))()
+@functools.lru_cache(maxsize=32)  # one program a shard structure and sharding, not traced anew each table
+def _layer(treedef, leaves: tuple, split: NamedSharding):
+  num_shards = split.mesh.shape[split.spec[0]]
+
+  def parts(default):
+    shard = dataclasses.replace(jax.tree.unflatten(treedef, leaves), default=default)
+    empty = shard._with_capacity(shard.capacity)
+    return _end_to_end(jax.tree.map(lambda x: jnp.broadcast_to(x, (num_shards, *x.shape)), empty))
+
+  return jax.jit(parts, out_shardings=split)
 
 
 def _end_to_end(shards: Storage) -> Storage:

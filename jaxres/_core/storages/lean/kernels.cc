@@ -8,8 +8,9 @@
 //
 // Each computes exactly what its pure-XLA counterpart computes (the XLA code is the reference and
 // the GPU/TPU path): the reference reads both buckets' digests at once and settles the rare rows
-// (many digest matches, a first bucket with overflow) in a loop; these read one row at a time, the
-// candidates of its first bucket, then its second, then the buckets past the first while the last
+// (many digest matches, a first bucket with overflow) in a loop; these read one row at a time: the
+// first digest match of each of its two buckets compared at once (where most keys are), then the
+// other matches of its first bucket, of its second, then the buckets past the first while the last
 // one reached has overflow, which is the reference's order. A key is in one slot at most, so both
 // find the same slot. The digest lines of a row's two buckets are fetched kAhead rows ahead. The
 // rows are split over XLA's intra-op thread pool; every row is computed by exactly one thread from
@@ -54,17 +55,63 @@ class Modulus {
   uint32_t d_;
 };
 
-// A key row's two buckets and digest (Layout.buckets_of), and the offset in each bucket of its
-// first digest match (-1: none).
+// The slots of one bucket whose digest is a given one, as a set of offsets (bit j % 64 of word j / 64:
+// offset j; buckets hold at most 128 slots).
+struct Matches {
+  uint64_t bits[2];
+
+  bool Any() const { return (bits[0] | bits[1]) != 0; }
+  // The lowest offset in the set (0 where it is empty), without a branch on the data.
+  int64_t First() const {
+    const int64_t low = __builtin_ctzll(bits[0] | uint64_t{1} << 63);
+    const int64_t high = 64 + __builtin_ctzll(bits[1] | uint64_t{1} << 63);
+    const int64_t first = bits[0] ? low : high;
+    return Any() ? first : 0;
+  }
+  void DropFirst() {
+    if (bits[0]) {
+      bits[0] &= bits[0] - 1;
+    } else {
+      bits[1] &= bits[1] - 1;
+    }
+  }
+};
+
+// A key row's two buckets and digest (Layout.buckets_of), and the slots of each bucket whose digest
+// matches.
 struct Probe {
   int64_t first, second;
   uint32_t digest;
-  int64_t from_first, from_second;
+  Matches in_first, in_second;
 };
 
-// The slots as the kernels read them (a view of the table's arrays).
-struct Slots {
-  Slots(const uint8_t* digests, const uint32_t* keys, const uint32_t* overflow, int64_t num_buckets,
+// Whether key words `a` and `b` agree: every word compared, no early exit (a branch taken at random).
+inline bool SameKey(const uint32_t* a, const uint32_t* b, int64_t num_words) {
+  uint32_t differ = 0;
+  for (int64_t j = 0; j < num_words; ++j) differ |= a[j] ^ b[j];
+  return differ == 0;
+}
+
+#if defined(__SSE2__)
+// Bit j set where byte j of the 16 at `line` is the byte of `d` (16 copies).
+inline uint64_t BlockBits(const uint8_t* line, __m128i d) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(line));
+  return static_cast<uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi8(bytes, d)));
+}
+
+
+// The matches among the 64 bytes at `line`.
+inline uint64_t Blocks4(const uint8_t* line, __m128i d) {
+  return BlockBits(line, d) | BlockBits(line + 16, d) << 16 | BlockBits(line + 32, d) << 32 | BlockBits(line + 48, d) << 48;
+}
+#endif
+
+// The slots as the kernels read them (a view of the table's arrays), for keys of kWords words (0:
+// any number, `num_words`): the read kernels are compiled for one and two words (int32 and int64
+// keys), where the hash and the key compares unroll.
+template <int64_t kWords = 0>
+struct SlotsOf {
+  SlotsOf(const uint8_t* digests, const uint32_t* keys, const uint32_t* overflow, int64_t num_buckets,
         int64_t bucket_size, int64_t num_words)
       : digests(digests), keys(keys), overflow(overflow), num_buckets(num_buckets), bucket_size(bucket_size),
         num_words(num_words), buckets_(static_cast<uint32_t>(num_buckets)),
@@ -75,9 +122,16 @@ struct Slots {
   const uint32_t* overflow;  // [num_buckets]
   int64_t num_buckets, bucket_size, num_words;
 
+  int64_t words() const { return kWords > 0 ? kWords : num_words; }
+  // This view for keys of K words.
+  template <int64_t K>
+  SlotsOf<K> As() const {
+    return {digests, keys, overflow, num_buckets, bucket_size, num_words};
+  }
+
   // Layout.buckets_of: a key's first and second buckets and its digest (1 to 255).
   void BucketsOf(const uint32_t* w, int64_t* first, int64_t* second, uint32_t* digest) const {
-    const uint32_t h = HashWords(w, num_words, kBucketSeed), top = h >> 24;
+    const uint32_t h = HashWords(w, words(), kBucketSeed), top = h >> 24;
     *first = buckets_.Of(h);
     *digest = top + (top == 0);
     if (num_buckets == 1) {
@@ -93,62 +147,79 @@ struct Slots {
     for (int64_t at = 0; at < bucket_size; at += 64) Prefetch(line + at);
   }
 
-  // Where in `bucket` the first slot whose digest is `digest` sits (0 to bucket_size - 1), or -1.
-  int64_t FirstMatch(int64_t bucket, uint32_t digest) const {
+  // The slots of `bucket` whose digest is `digest`: 16 digests compared at a time, a bucket whose
+  // size is not a multiple of 16 read to its end by a last load that overlaps the one before.
+  __attribute__((always_inline)) Matches MatchesIn(int64_t bucket, uint32_t digest) const {
     const uint8_t* line = digests + bucket * bucket_size;
-    int64_t at = 0;
 #if defined(__SSE2__)
-    const __m128i d = _mm_set1_epi8(static_cast<char>(digest));
-    for (; at + 16 <= bucket_size; at += 16) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(line + at));
-      const uint32_t m = _mm_movemask_epi8(_mm_cmpeq_epi8(bytes, d));
-      if (m) return at + __builtin_ctz(m);
+    if (bucket_size >= 16) {
+      const __m128i d = _mm_set1_epi8(static_cast<char>(digest));
+      // The largest buckets (64 slots, 128 where the table evicts) unrolled: every bucket of a table
+      // has the same size, so the branch is always taken the same way.
+      if (bucket_size == 64) return {{Blocks4(line, d), 0}};
+      if (bucket_size == 128) return {{Blocks4(line, d), Blocks4(line + 64, d)}};
+      const int64_t blocks = bucket_size >> 4;
+      uint64_t low = 0, high = 0;  // offsets 0-63, 64-127
+      for (int64_t b = 0; b < std::min<int64_t>(blocks, 4); ++b) low |= BlockBits(line + 16 * b, d) << (16 * b);
+      for (int64_t b = 4; b < blocks; ++b) high |= BlockBits(line + 16 * b, d) << (16 * (b - 4));
+      Matches m{{low, high}};
+      const int64_t tail = bucket_size & 15, at = bucket_size - tail;
+      if (tail) m.bits[at >> 6] |= BlockBits(line + bucket_size - 16, d) >> (16 - tail) << (at & 63);
+      return m;
     }
 #endif
-    for (; at < bucket_size; ++at) {
-      if (line[at] == digest) return at;
+    Matches m{{0, 0}};
+    for (int64_t at = 0; at < bucket_size; ++at) m.bits[at >> 6] |= uint64_t{line[at] == digest} << (at & 63);
+    return m;
+  }
+
+  // The slot of `bucket` among `matches` that holds key `w`, or -1.
+  int64_t Find(int64_t bucket, const uint32_t* w, Matches matches) const {
+    for (; matches.Any(); matches.DropFirst()) {
+      const int64_t slot = bucket * bucket_size + matches.First();
+      if (SameKey(keys + slot * words(), w, words())) return slot;
     }
     return -1;
   }
 
-  // The slot of `bucket` that holds key `w` (its digest `digest`), or -1: the slots whose digest
-  // matches, in order, their key words compared, from `from` on (no slot before it matches; -1:
-  // none in the bucket does).
-  int64_t Find(int64_t bucket, const uint32_t* w, uint32_t digest, int64_t from = 0) const {
-    if (from < 0) return -1;
-    const int64_t base = bucket * bucket_size;
-    const uint8_t* line = digests + base;
-    int64_t at = from;
-#if defined(__SSE2__)
-    const __m128i d = _mm_set1_epi8(static_cast<char>(digest));
-    for (; at + 16 <= bucket_size; at += 16) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(line + at));
-      for (uint32_t m = _mm_movemask_epi8(_mm_cmpeq_epi8(bytes, d)); m; m &= m - 1) {
-        const int64_t slot = base + at + __builtin_ctz(m);
-        if (SameWords(keys + slot * num_words, w, num_words)) return slot;
-      }
-    }
-#endif
-    for (; at < bucket_size; ++at) {
-      if (line[at] == digest && SameWords(keys + (base + at) * num_words, w, num_words)) return base + at;
-    }
-    return -1;
+  // The slot a lookup of `probe` reads first in each bucket: its first digest match (the bucket's
+  // first slot where none).
+  void FirstCandidates(const Probe& probe, int64_t* a, int64_t* b) const {
+    *a = probe.first * bucket_size + probe.in_first.First();
+    *b = probe.second * bucket_size + probe.in_second.First();
   }
 
   // probing.locate for one key row: true if present, with its slot; for a miss, the first slot of
-  // its first bucket. `probe`: the row's buckets and digest (Layout.buckets_of), and where each
-  // bucket's first digest match sits.
+  // its first bucket. `probe`: the row's buckets, digest and digest matches. Most keys sit at the
+  // first digest match of one of their buckets: both are compared at once and one is selected
+  // without a branch on which (a branch there is taken at random); the rest go to `Search`.
   bool Locate(const uint32_t* w, const Probe& probe, int32_t* out) const {
+    int64_t a, b;
+    FirstCandidates(probe, &a, &b);
+    const bool at_a = probe.in_first.Any() & SameKey(keys + a * words(), w, words());
+    const bool at_b = probe.in_second.Any() & SameKey(keys + b * words(), w, words());
+    if (__builtin_expect(at_a | at_b, 1)) {
+      *out = static_cast<int32_t>(at_a ? a : b);
+      return true;
+    }
+    return Search(w, probe, out);
+  }
+
+ private:
+  // Locate past both first candidates: the other digest matches of the first bucket, then of the
+  // second, then the buckets past the first while the last one reached has overflow (num_buckets
+  // steps at most).
+  __attribute__((noinline)) bool Search(const uint32_t* w, Probe probe, int32_t* out) const {
     const int64_t first = probe.first, second = probe.second;
-    const uint32_t digest = probe.digest;
-    int64_t slot = Find(first, w, digest, probe.from_first);
-    if (slot < 0 && second != first) slot = Find(second, w, digest, probe.from_second);
-    if (__builtin_expect(slot < 0 && overflow[first] > 0, 0)) {
-      // On past the first bucket while the bucket reached has overflow (num_buckets steps at most).
+    probe.in_first.DropFirst();
+    probe.in_second.DropFirst();
+    int64_t slot = Find(first, w, probe.in_first);
+    if (slot < 0 && second != first) slot = Find(second, w, probe.in_second);
+    if (slot < 0 && overflow[first] > 0) {
       int64_t at = first;
       for (int64_t steps = 0; slot < 0 && steps < num_buckets; ++steps) {
         at = at + 1 == num_buckets ? 0 : at + 1;
-        slot = Find(at, w, digest);
+        slot = Find(at, w, MatchesIn(at, probe.digest));
         if (overflow[at] == 0) break;
       }
     }
@@ -156,17 +227,19 @@ struct Slots {
     return slot >= 0;
   }
 
- private:
   Modulus buckets_, others_;  // num_buckets, and num_buckets - 1 (the second bucket's offset)
 };
 
+using Slots = SlotsOf<>;
+
 // The probes of `n` key rows `w`, in a ring: each row hashed and its buckets' digest lines
 // prefetched kAhead rows before its search (so the hashing overlaps the memory reads it waits for),
-// then kLate rows before it each bucket's first digest match found and the key words of that
-// slot prefetched (the search starts at that match).
+// then kLate rows before it the digest matches of each bucket found and the key words of each
+// bucket's first match prefetched.
+template <typename S>
 class BucketsAhead {
  public:
-  BucketsAhead(const Slots& t, const uint32_t* w, int64_t n) : t_(t), w_(w), n_(n) {
+  BucketsAhead(const S& t, const uint32_t* w, int64_t n) : t_(t), w_(w), n_(n) {
     for (int64_t k = 0; k < std::min(n, kAhead); ++k) Fetch(k);
     for (int64_t k = 0; k < std::min(n, kLate); ++k) FetchKeys(k);
   }
@@ -181,18 +254,20 @@ class BucketsAhead {
   static constexpr int64_t kRing = 2 * kAhead, kLate = kAhead / 2;
   void Fetch(int64_t k) {
     Probe& p = ring_[k % kRing];
-    t_.BucketsOf(w_ + k * t_.num_words, &p.first, &p.second, &p.digest);
+    t_.BucketsOf(w_ + k * t_.words(), &p.first, &p.second, &p.digest);
     t_.FetchBucket(p.first);
     t_.FetchBucket(p.second);
   }
   void FetchKeys(int64_t k) {
     Probe& p = ring_[k % kRing];
-    p.from_first = t_.FirstMatch(p.first, p.digest);
-    if (p.from_first >= 0) Prefetch(t_.keys + (p.first * t_.bucket_size + p.from_first) * t_.num_words);
-    p.from_second = p.second == p.first ? p.from_first : t_.FirstMatch(p.second, p.digest);
-    if (p.from_second >= 0) Prefetch(t_.keys + (p.second * t_.bucket_size + p.from_second) * t_.num_words);
+    p.in_first = t_.MatchesIn(p.first, p.digest);
+    p.in_second = p.second == p.first ? p.in_first : t_.MatchesIn(p.second, p.digest);
+    int64_t a, b;
+    t_.FirstCandidates(p, &a, &b);
+    Prefetch(t_.keys + a * t_.words());
+    Prefetch(t_.keys + b * t_.words());
   }
-  const Slots& t_;
+  const S& t_;
   const uint32_t* w_;
   int64_t n_;
   Probe ring_[kRing];
@@ -223,13 +298,14 @@ ffi::Error Locate(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> digests, ffi::Buff
 
 // LeanTable._lookup_rows over rows [begin, end): one pass, where a row's digest lines are fetched
 // kAhead rows ahead of its search and its value rows kLag rows ahead of their copy, so both kinds
-// of reads overlap. kBytes (4 or 8) > 0: a single column of rows that wide.
-template <int64_t kBytes>
-void LookupRows(const Slots& t, const uint32_t* w, int64_t begin, int64_t end, const std::vector<Column>& columns,
+// of reads overlap. kBytes (4, 8 or 16) > 0: a single column of rows that wide; keys of kWords words.
+template <int64_t kBytes, int64_t kWords>
+void LookupRows(const Slots& view, const uint32_t* w, int64_t begin, int64_t end, const std::vector<Column>& columns,
                 bool* hit) {
   constexpr int64_t kLag = 16;
+  const SlotsOf<kWords> t = view.As<kWords>();
   const int64_t len = end - begin, num_columns = kBytes > 0 ? 1 : columns.size();
-  BucketsAhead ahead(t, w + begin * t.num_words, len);
+  BucketsAhead ahead(t, w + begin * t.words(), len);
   int32_t slot[kLag];  // the slots (value rows) of the last kLag rows searched
   for (int64_t k = 0; k < len + kLag; ++k) {
     if (k >= kLag) {
@@ -238,15 +314,30 @@ void LookupRows(const Slots& t, const uint32_t* w, int64_t begin, int64_t end, c
     }
     if (k < len) {
       const int64_t i = begin + k;
-      hit[i] = t.Locate(w + i * t.num_words, ahead.Next(k), &slot[k % kLag]);
+      hit[i] = t.Locate(w + i * t.words(), ahead.Next(k), &slot[k % kLag]);
       for (int64_t c = 0; c < num_columns; ++c) {
-        if (kBytes > 0) {  // 4 or 8 bytes: within one cache line
+        if (kBytes > 0) {  // 4, 8 or 16 bytes: within one cache line
           Prefetch(columns[c].from + slot[k % kLag] * kBytes);
         } else {
           PrefetchRow(columns[c].from + slot[k % kLag] * columns[c].bytes, columns[c].bytes);
         }
       }
     }
+  }
+}
+
+// LookupRows for keys of kWords words and a single column of rows `single` bytes wide (0: other).
+template <int64_t kWords>
+auto RowsFor(int64_t single) {
+  switch (single) {
+    case 4:
+      return LookupRows<4, kWords>;
+    case 8:
+      return LookupRows<8, kWords>;
+    case 16:
+      return LookupRows<16, kWords>;
+    default:
+      return LookupRows<0, kWords>;
   }
 }
 
@@ -262,8 +353,8 @@ ffi::Error Lookup(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> digests, ffi::Buff
     return ffi::Error::InvalidArgument("jaxres_lean_lookup: expected a default leaf per value leaf");
   }
   const int64_t single = columns.size() == 1 ? columns[0].bytes : 0;
-  auto rows = single == 4 ? LookupRows<4> : single == 8 ? LookupRows<8> : LookupRows<0>;
   const Slots t = View(digests, keys, overflow, bucket_size);
+  auto rows = t.num_words == 2 ? RowsFor<2>(single) : t.num_words == 1 ? RowsFor<1>(single) : RowsFor<0>(single);
   ParallelFor(pool, n, kGrain, 1, [&](int64_t begin, int64_t end) {
     rows(t, words.typed_data(), begin, end, columns, found->typed_data());
   });
