@@ -279,20 +279,27 @@ Slots View(const ffi::Buffer<ffi::U32>& digests, const ffi::Buffer<ffi::U32>& ke
           overflow.dimensions()[0], bucket_size, keys.dimensions()[1]};
 }
 
+// probing.locate for key rows [begin, end) of `w`, keys of kWords words.
+template <int64_t kWords>
+void LocateRows(const Slots& view, const uint32_t* w, int64_t begin, int64_t end, bool* found, int32_t* slot) {
+  const SlotsOf<kWords> t = view.As<kWords>();
+  BucketsAhead ahead(t, w + begin * t.words(), end - begin);
+  for (int64_t i = begin; i < end; ++i) found[i] = t.Locate(w + i * t.words(), ahead.Next(i - begin), slot + i);
+}
+
+// probing.locate for the `n` key rows `w`, split over the thread pool.
+void LocateAll(ffi::ThreadPool& pool, const Slots& view, const uint32_t* w, int64_t n, bool* found, int32_t* slot) {
+  auto rows = view.num_words == 2 ? LocateRows<2> : view.num_words == 1 ? LocateRows<1> : LocateRows<0>;
+  ParallelFor(pool, n, kGrain, 1, [&](int64_t begin, int64_t end) { rows(view, w, begin, end, found, slot); });
+}
+
 // ------------------------------------------------------------------ kernels
 
 ffi::Error Locate(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> digests, ffi::Buffer<ffi::U32> keys,
                   ffi::Buffer<ffi::U32> overflow, ffi::Buffer<ffi::U32> words, ffi::ResultBuffer<ffi::PRED> found,
                   ffi::ResultBuffer<ffi::S32> slot, int64_t bucket_size) {
-  const Slots t = View(digests, keys, overflow, bucket_size);
-  const int64_t W = t.num_words;
-  ParallelFor(pool, words.dimensions()[0], kGrain, 1, [&](int64_t begin, int64_t end) {
-    const uint32_t* w = words.typed_data() + begin * W;
-    BucketsAhead ahead(t, w, end - begin);
-    for (int64_t k = 0; k < end - begin; ++k) {
-      found->typed_data()[begin + k] = t.Locate(w + k * W, ahead.Next(k), slot->typed_data() + begin + k);
-    }
-  });
+  LocateAll(pool, View(digests, keys, overflow, bucket_size), words.typed_data(), words.dimensions()[0],
+            found->typed_data(), slot->typed_data());
   return ffi::Error::Success();
 }
 
@@ -577,12 +584,7 @@ ffi::Error Upsert(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> digests_in, ffi::B
   int32_t* first = first_out->typed_data();
   dropped_out->typed_data()[0] = 0;
   if (n == 0) return ffi::Error::Success();
-  const Slots view = t.View();
-  ParallelFor(pool, n, kGrain, 1, [&](int64_t begin, int64_t end) {  // reads alone
-    const uint32_t* w = words + begin * W;
-    BucketsAhead ahead(view, w, end - begin);
-    for (int64_t k = 0; k < end - begin; ++k) found[begin + k] = view.Locate(w + k * W, ahead.Next(k), slot + begin + k);
-  });
+  LocateAll(pool, t.View(), words, n, found, slot);  // reads alone
   std::unique_ptr<bool[]> is_new(new bool[n]);
   for (int64_t i = 0; i < n; ++i) is_new[i] = active[i] && !found[i];
   OwnerPerKey(words, n, W, is_new.get(), false, first);
