@@ -287,10 +287,27 @@ void LocateRows(const Slots& view, const uint32_t* w, int64_t begin, int64_t end
   for (int64_t i = begin; i < end; ++i) found[i] = t.Locate(w + i * t.words(), ahead.Next(i - begin), slot + i);
 }
 
+// body(K) for K the key width of `num_words` as the reads are compiled: 1 or 2 words (int32 and int64
+// keys), else 0 (any width, read at run time). K is a std::integral_constant, usable as a template
+// argument.
+template <typename Body>
+void WithWords(int64_t num_words, const Body& body) {
+  if (num_words == 2) {
+    body(std::integral_constant<int64_t, 2>{});
+  } else if (num_words == 1) {
+    body(std::integral_constant<int64_t, 1>{});
+  } else {
+    body(std::integral_constant<int64_t, 0>{});
+  }
+}
+
 // probing.locate for the `n` key rows `w`, split over the thread pool.
 void LocateAll(ffi::ThreadPool& pool, const Slots& view, const uint32_t* w, int64_t n, bool* found, int32_t* slot) {
-  auto rows = view.num_words == 2 ? LocateRows<2> : view.num_words == 1 ? LocateRows<1> : LocateRows<0>;
-  ParallelFor(pool, n, kGrain, 1, [&](int64_t begin, int64_t end) { rows(view, w, begin, end, found, slot); });
+  WithWords(view.num_words, [&](auto words) {
+    ParallelFor(pool, n, kGrain, 1, [&](int64_t begin, int64_t end) {
+      LocateRows<words>(view, w, begin, end, found, slot);
+    });
+  });
 }
 
 // ------------------------------------------------------------------ kernels
@@ -361,9 +378,11 @@ ffi::Error Lookup(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> digests, ffi::Buff
   }
   const int64_t single = columns.size() == 1 ? columns[0].bytes : 0;
   const Slots t = View(digests, keys, overflow, bucket_size);
-  auto rows = t.num_words == 2 ? RowsFor<2>(single) : t.num_words == 1 ? RowsFor<1>(single) : RowsFor<0>(single);
-  ParallelFor(pool, n, kGrain, 1, [&](int64_t begin, int64_t end) {
-    rows(t, words.typed_data(), begin, end, columns, found->typed_data());
+  WithWords(t.num_words, [&](auto key_words) {
+    auto rows = RowsFor<key_words>(single);
+    ParallelFor(pool, n, kGrain, 1, [&](int64_t begin, int64_t end) {
+      rows(t, words.typed_data(), begin, end, columns, found->typed_data());
+    });
   });
   return ffi::Error::Success();
 }
