@@ -351,6 +351,24 @@ def test_lean_upsert_kernel_equals_its_reference(num_words, bucket_size, seed, r
 
 
 @pytest.mark.skipif(not native.ENABLED, reason="kernels off")
+@pytest.mark.parametrize(("bucket_size", "num_words"), [(100, 1), (128, 2)])
+def test_lean_upsert_kernel_places_past_64_slots_as_its_reference(bucket_size, num_words):
+  """Buckets of more than 64 slots (an evicting table's): new keys placed in half-full buckets, whose
+  free slots lie on both sides of the 64th, where the reference places them; more new keys than room."""
+  rng = np.random.default_rng(bucket_size)
+  table = LeanTable.create(400, key=KEYS[num_words], value=jnp.float32, bucket_size=bucket_size)
+  pool = rng.choice(2**32, (900, num_words), replace=False).astype(np.uint32)
+  table = _insert_rows(table, jnp.asarray(pool[:200]), [jnp.zeros(200, jnp.float32)])
+  words = jnp.asarray(pool[rng.permutation(500)])  # 200 present, 300 new: 100 more than room
+  args = (table.layout, *table._arrays(), words, jnp.ones(500, bool), table.size, table.capacity)
+  kernel, reference = _both_ways(_lean_upsert, *args)
+  _assert_same(kernel, reference)
+  assert int(reference.dropped) == 100 and int(reference.found.sum()) == 200
+  placed = np.asarray(reference.slot)[np.asarray(reference.admitted)]
+  assert (placed % bucket_size >= 64).sum() > 30 and (placed % bucket_size < 64).sum() > 30
+
+
+@pytest.mark.skipif(not native.ENABLED, reason="kernels off")
 @pytest.mark.parametrize("bucket_size", [4, None])
 def test_lean_upsert_kernel_probes_on_as_its_reference(bucket_size):
   """An empty table of 4,096 entries filled by one batch of 4,096 distinct keys and 200 repeats (4-slot

@@ -134,6 +134,46 @@ inline int BitCount(uint32_t x) {
   return static_cast<int>((((x + (x >> 4)) & 0x0F0F0F0Fu) * 0x01010101u) >> 24);
 }
 
+inline int BitCount64(uint64_t x) {
+  x = x - ((x >> 1) & 0x5555555555555555ull);
+  x = (x & 0x3333333333333333ull) + ((x >> 2) & 0x3333333333333333ull);
+  return static_cast<int>((((x + (x >> 4)) & 0x0F0F0F0F0F0F0F0Full) * 0x0101010101010101ull) >> 56);
+}
+
+// Offsets of the set bits of every byte: kByteBits.nth[b][k] is the k-th (from 0) of byte b's.
+struct ByteBits {
+  uint8_t count[256];
+  uint8_t nth[256][8];
+};
+
+constexpr ByteBits MakeByteBits() {
+  ByteBits bits{};
+  for (int b = 0; b < 256; ++b) {
+    for (int s = 0; s < 8; ++s) {
+      if ((b >> s) & 1) bits.nth[b][bits.count[b]++] = static_cast<uint8_t>(s);
+    }
+  }
+  return bits;
+}
+
+inline constexpr ByteBits kByteBits = MakeByteBits();
+
+// The offset of the k-th (from 0) set bit of x, for k below x's set bits: the byte that holds it
+// found from the bytes' running counts at once, without a loop (Vigna, "Broadword implementation
+// of rank/select queries", 2008), then looked up in that byte.
+inline int Select64(uint64_t x, int k) {
+  constexpr uint64_t kOnes = 0x0101010101010101ull, kHighs = 0x8080808080808080ull;
+  uint64_t sums = x - ((x >> 1) & 0x5555555555555555ull);
+  sums = (sums & 0x3333333333333333ull) + ((sums >> 2) & 0x3333333333333333ull);
+  sums = ((sums + (sums >> 4)) & 0x0F0F0F0F0F0F0F0Full) * kOnes;  // byte b: set bits of bytes 0 to b
+  // The high bit of byte b is set where k >= its running count (no borrow: counts are at most 64):
+  // the bytes before the one that holds the k-th bit.
+  const uint64_t before = ((static_cast<uint64_t>(k) * kOnes | kHighs) - sums) & kHighs;
+  const int at = __builtin_ctzll(~before & kHighs) - 7;  // 8 x the byte's index
+  const int rank = k - static_cast<int>((sums << 8) >> at & 0xFF);
+  return at + kByteBits.nth[(x >> at) & 0xFF][rank];
+}
+
 // Scratch cells for a batch of `n` rows (a power of two).
 inline int64_t ScratchSize(int64_t n, int64_t cells_per_row = kCellsPerRow) {
   return int64_t{1} << std::max(1, BitLength(cells_per_row * n - 1));

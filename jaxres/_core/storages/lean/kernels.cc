@@ -61,6 +61,10 @@ struct Matches {
   uint64_t bits[2];
 
   bool Any() const { return (bits[0] | bits[1]) != 0; }
+  // Whether the set holds more than one offset.
+  bool Several() const {
+    return ((bits[0] & (bits[0] - 1)) | (bits[1] & (bits[1] - 1))) != 0 || (bits[0] && bits[1]);
+  }
   // The lowest offset in the set (0 where it is empty), without a branch on the data.
   int64_t First() const {
     const int64_t low = __builtin_ctzll(bits[0] | uint64_t{1} << 63);
@@ -77,11 +81,11 @@ struct Matches {
   }
 };
 
-// A key row's two buckets and digest (Layout.buckets_of), and the slots of each bucket whose digest
-// matches.
+// A key row's hash (encoding.hash_words), two buckets and digest (Layout.buckets_of), and the slots of
+// each bucket whose digest matches.
 struct Probe {
   int64_t first, second;
-  uint32_t digest;
+  uint32_t hash, digest;
   Matches in_first, in_second;
 };
 
@@ -94,15 +98,16 @@ inline bool SameKey(const uint32_t* a, const uint32_t* b, int64_t num_words) {
 
 #if defined(__SSE2__)
 // Bit j set where byte j of the 16 at `line` is the byte of `d` (16 copies).
-inline uint64_t BlockBits(const uint8_t* line, __m128i d) {
+__attribute__((always_inline)) inline uint64_t BlockBits(const uint8_t* line, __m128i d) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(line));
   return static_cast<uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi8(bytes, d)));
 }
 
 
 // The matches among the 64 bytes at `line`.
-inline uint64_t Blocks4(const uint8_t* line, __m128i d) {
-  return BlockBits(line, d) | BlockBits(line + 16, d) << 16 | BlockBits(line + 32, d) << 32 | BlockBits(line + 48, d) << 48;
+__attribute__((always_inline)) inline uint64_t Blocks4(const uint8_t* line, __m128i d) {
+  return BlockBits(line, d) | BlockBits(line + 16, d) << 16 | BlockBits(line + 32, d) << 32 |
+         BlockBits(line + 48, d) << 48;
 }
 #endif
 
@@ -129,9 +134,16 @@ struct SlotsOf {
     return {digests, keys, overflow, num_buckets, bucket_size, num_words};
   }
 
+  // The hash of key row `w` (encoding.hash_words), from which its buckets, digest and lane follow.
+  uint32_t Hash(const uint32_t* w) const { return HashWords(w, words(), kBucketSeed); }
+
   // Layout.buckets_of: a key's first and second buckets and its digest (1 to 255).
   void BucketsOf(const uint32_t* w, int64_t* first, int64_t* second, uint32_t* digest) const {
-    const uint32_t h = HashWords(w, words(), kBucketSeed), top = h >> 24;
+    BucketsOfHash(Hash(w), first, second, digest);
+  }
+  // Layout.buckets_of from the key's hash `h`.
+  void BucketsOfHash(uint32_t h, int64_t* first, int64_t* second, uint32_t* digest) const {
+    const uint32_t top = h >> 24;
     *first = buckets_.Of(h);
     *digest = top + (top == 0);
     if (num_buckets == 1) {
@@ -202,6 +214,11 @@ struct SlotsOf {
       *out = static_cast<int32_t>(at_a ? a : b);
       return true;
     }
+    // Most misses end here: no other digest match in either bucket, no key past the first bucket.
+    if (!probe.in_first.Several() && !probe.in_second.Several() && overflow[probe.first] == 0) {
+      *out = static_cast<int32_t>(probe.first * bucket_size);
+      return false;
+    }
     return Search(w, probe, out);
   }
 
@@ -254,7 +271,8 @@ class BucketsAhead {
   static constexpr int64_t kRing = 2 * kAhead, kLate = kAhead / 2;
   void Fetch(int64_t k) {
     Probe& p = ring_[k % kRing];
-    t_.BucketsOf(w_ + k * t_.words(), &p.first, &p.second, &p.digest);
+    p.hash = t_.Hash(w_ + k * t_.words());
+    t_.BucketsOfHash(p.hash, &p.first, &p.second, &p.digest);
     t_.FetchBucket(p.first);
     t_.FetchBucket(p.second);
   }
@@ -279,12 +297,18 @@ Slots View(const ffi::Buffer<ffi::U32>& digests, const ffi::Buffer<ffi::U32>& ke
           overflow.dimensions()[0], bucket_size, keys.dimensions()[1]};
 }
 
-// probing.locate for key rows [begin, end) of `w`, keys of kWords words.
+// probing.locate for key rows [begin, end) of `w`, keys of kWords words; each row's hash in `hash`
+// where it is not null (the writes place new keys from it).
 template <int64_t kWords>
-void LocateRows(const Slots& view, const uint32_t* w, int64_t begin, int64_t end, bool* found, int32_t* slot) {
+void LocateRows(const Slots& view, const uint32_t* w, int64_t begin, int64_t end, bool* found, int32_t* slot,
+                uint32_t* hash) {
   const SlotsOf<kWords> t = view.As<kWords>();
   BucketsAhead ahead(t, w + begin * t.words(), end - begin);
-  for (int64_t i = begin; i < end; ++i) found[i] = t.Locate(w + i * t.words(), ahead.Next(i - begin), slot + i);
+  for (int64_t i = begin; i < end; ++i) {
+    const Probe& probe = ahead.Next(i - begin);
+    found[i] = t.Locate(w + i * t.words(), probe, slot + i);
+    if (hash != nullptr) hash[i] = probe.hash;
+  }
 }
 
 // body(K) for K the key width of `num_words` as the reads are compiled: 1 or 2 words (int32 and int64
@@ -301,11 +325,12 @@ void WithWords(int64_t num_words, const Body& body) {
   }
 }
 
-// probing.locate for the `n` key rows `w`, split over the thread pool.
-void LocateAll(ffi::ThreadPool& pool, const Slots& view, const uint32_t* w, int64_t n, bool* found, int32_t* slot) {
+// probing.locate for the `n` key rows `w`, split over the thread pool (`hash`: as LocateRows).
+void LocateAll(ffi::ThreadPool& pool, const Slots& view, const uint32_t* w, int64_t n, bool* found, int32_t* slot,
+               uint32_t* hash = nullptr) {
   WithWords(view.num_words, [&](auto words) {
     ParallelFor(pool, n, kGrain, 1, [&](int64_t begin, int64_t end) {
-      LocateRows<words>(view, w, begin, end, found, slot);
+      LocateRows<words>(view, w, begin, end, found, slot, hash);
     });
   });
 }
@@ -390,42 +415,57 @@ ffi::Error Lookup(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> digests, ffi::Buff
 
 // ------------------------------------------------------------------ writes
 
-// A slot bitmask of one bucket (up to 128 slots): bit j of word j / 64 is slot j.
+// A slot bitmask of one bucket (up to 128 slots): bit j of word j / 64 is slot j; `count` bits set.
 struct Bits {
   uint64_t word[2] = {0, 0};
-  int Count() const { return BitCount64(word[0]) + BitCount64(word[1]); }
-  static int BitCount64(uint64_t x) {
-    return BitCount(static_cast<uint32_t>(x)) + BitCount(static_cast<uint32_t>(x >> 32));
-  }
-  // The position of the k-th set bit (from 0), k below Count() (layout.nth_bit).
+  int count = 0;
+  // The position of the k-th set bit (from 0), k below count (layout.nth_bit).
   int Nth(int k) const {
-    int base = 0;
-    uint64_t x = word[0];
-    if (const int low = BitCount64(x); k >= low) {
-      k -= low;
-      x = word[1];
-      base = 64;
-    }
-    for (; k > 0; --k) x &= x - 1;
-    return base + __builtin_ctzll(x);
+    if (word[1] == 0) return Select64(word[0], k);
+    const int low = BitCount64(word[0]);
+    return k < low ? Select64(word[0], k) : 64 + Select64(word[1], k - low);
   }
 };
 
-// The free slots (digest 0) of `bucket`, as layout.free.
+#if defined(__SSE2__)
+// The free slots (digest 0) among the 16 x kBlocks digests at `line` into `bits`, from slot `at`;
+// their count added to bits->count.
+template <int kBlocks>
+__attribute__((always_inline)) inline void FreeBlocks(const uint8_t* line, int64_t at, Bits* bits) {
+  const __m128i zero = _mm_setzero_si128();
+  __m128i counts = zero;  // free slots seen, per byte of the 16 (at most 8 each: 128 slots)
+  for (int b = 0; b < kBlocks; ++b, at += 16) {
+    const __m128i free = _mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line + at)), zero);
+    counts = _mm_sub_epi8(counts, free);  // a free byte compares to -1
+    bits->word[at >> 6] |= static_cast<uint64_t>(static_cast<uint32_t>(_mm_movemask_epi8(free))) << (at & 63);
+  }
+  const __m128i sums = _mm_sad_epu8(counts, zero);  // the two halves' totals
+  bits->count += _mm_cvtsi128_si32(sums) + _mm_extract_epi16(sums, 4);
+}
+#endif
+
+// The free slots (digest 0) of `bucket`, as layout.free, and their count.
 inline Bits FreeSlots(const uint8_t* digests, int64_t bucket, int64_t bucket_size) {
   const uint8_t* line = digests + bucket * bucket_size;
   Bits bits;
   int64_t at = 0;
 #if defined(__SSE2__)
-  const __m128i zero = _mm_setzero_si128();
-  for (; at + 16 <= bucket_size; at += 16) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(line + at));
-    const uint64_t m = static_cast<uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi8(bytes, zero)));
-    bits.word[at >> 6] |= m << (at & 63);
+  // The largest buckets (64 slots, 128 where the table evicts) unrolled, as in MatchesIn.
+  if (bucket_size == 64) {
+    FreeBlocks<4>(line, 0, &bits);
+    return bits;
   }
+  if (bucket_size == 128) {
+    FreeBlocks<8>(line, 0, &bits);
+    return bits;
+  }
+  for (; at + 16 <= bucket_size; at += 16) FreeBlocks<1>(line, at, &bits);
 #endif
   for (; at < bucket_size; ++at) {
-    if (line[at] == 0) bits.word[at >> 6] |= uint64_t{1} << (at & 63);
+    if (line[at] == 0) {
+      bits.word[at >> 6] |= uint64_t{1} << (at & 63);
+      ++bits.count;
+    }
   }
   return bits;
 }
@@ -435,10 +475,8 @@ inline bool SecondChoice(int free_first, int free_second) {
   return free_second > free_first + kLeanFirstBucketBias || (free_first == 0 && free_second > 0);
 }
 
-// Layout.lane: which free slot a new key tries first, in [0, 2^16).
-inline uint32_t Lane(const uint32_t* w, int64_t num_words) {
-  return Mix(HashWords(w, num_words, kBucketSeed), kLaneSeed) >> 16;
-}
+// Layout.lane: which free slot a new key tries first, in [0, 2^16), from its hash.
+inline uint32_t Lane(uint32_t hash) { return Mix(hash, kLaneSeed) >> 16; }
 
 // The table's arrays as the write kernels update them (the results, aliased to the arguments).
 struct Writable {
@@ -499,8 +537,9 @@ class Claims {
 
 // placing.place: the `pending` rows (distinct new keys, as many as there are free slots) placed, in
 // pair rounds of the lowest `m` pending rows, then the rows whose two buckets were full probing on,
-// `chunk` rows a round. Sets `slot` of each placed row.
-void Place(Writable& t, const uint32_t* words, int64_t n, const std::vector<char>& pending, int32_t* slot) {
+// `chunk` rows a round. `hash`: each row's (SlotsOf::Hash). Sets `slot` of each placed row.
+void Place(Writable& t, const uint32_t* words, const uint32_t* hash, int64_t n, const std::vector<char>& pending,
+           int32_t* slot) {
   const int64_t W = t.num_words, size = t.bucket_size, nb = t.num_buckets;
   const int64_t m = std::min(n, std::max<int64_t>(kChunkMinRows, kLeanRowsPerBucket * nb));
   const int64_t chunk = ChunkSize(n);
@@ -511,8 +550,8 @@ void Place(Writable& t, const uint32_t* words, int64_t n, const std::vector<char
   const Slots view = t.View();
   for (int64_t i = 0; i < n; ++i) {
     if (!pending[i]) continue;
-    view.BucketsOf(words + i * W, &first[i], &second[i], &digest[i]);
-    lane[i] = Lane(words + i * W, W);
+    view.BucketsOfHash(hash[i], &first[i], &second[i], &digest[i]);
+    lane[i] = Lane(hash[i]);
     queue.push_back(i);
   }
   Claims claims;
@@ -539,8 +578,7 @@ void Place(Writable& t, const uint32_t* words, int64_t n, const std::vector<char
     ++rounds;
   };
   auto take = [&](int64_t bucket, const Bits& free, uint32_t key_lane) {
-    const uint32_t count = free.Count();
-    return bucket * size + free.Nth(static_cast<int>((key_lane * count) >> 16));
+    return bucket * size + free.Nth(static_cast<int>((key_lane * static_cast<uint32_t>(free.count)) >> 16));
   };
   std::vector<char> spilled(n);
   while (!queue.empty()) {  // pairs
@@ -548,7 +586,7 @@ void Place(Writable& t, const uint32_t* words, int64_t n, const std::vector<char
         m,
         [&](int64_t i) -> int64_t {
           const Bits a = FreeSlots(t.digests, first[i], size), b = FreeSlots(t.digests, second[i], size);
-          const int ca = a.Count(), cb = b.Count();
+          const int ca = a.count, cb = b.count;
           if (ca == 0 && cb == 0) {
             spilled[i] = 1;
             return -1;
@@ -567,7 +605,7 @@ void Place(Writable& t, const uint32_t* words, int64_t n, const std::vector<char
         [&](int64_t i) -> int64_t {
           const int64_t bucket = (cursor[i] + 1) % nb;
           const Bits free = FreeSlots(t.digests, bucket, size);
-          if (free.Count() == 0) {
+          if (free.count == 0) {
             cursor[i] = bucket;
             return -1;
           }
@@ -603,7 +641,8 @@ ffi::Error Upsert(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> digests_in, ffi::B
   int32_t* first = first_out->typed_data();
   dropped_out->typed_data()[0] = 0;
   if (n == 0) return ffi::Error::Success();
-  LocateAll(pool, t.View(), words, n, found, slot);  // reads alone
+  std::vector<uint32_t> hash(n);
+  LocateAll(pool, t.View(), words, n, found, slot, hash.data());  // reads alone
   std::unique_ptr<bool[]> is_new(new bool[n]);
   for (int64_t i = 0; i < n; ++i) is_new[i] = active[i] && !found[i];
   OwnerPerKey(words, n, W, is_new.get(), false, first);
@@ -617,7 +656,7 @@ ffi::Error Upsert(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> digests_in, ffi::B
     taken += head[i];
   }
   dropped_out->typed_data()[0] = static_cast<int32_t>(heads - taken);
-  Place(t, words, n, head, placed.data());
+  Place(t, words, hash.data(), n, head, placed.data());
   for (int64_t i = 0; i < n; ++i) {
     admitted[i] = is_new[i] && head[first[i]];
     if (admitted[i]) slot[i] = placed[first[i]];

@@ -315,24 +315,6 @@ int64_t Admit(const uint32_t* words, int64_t n, int64_t W, const bool* is_new, i
   return dropped;
 }
 
-// Offsets of the set bits of every byte: kByteBits.nth[b][k] is the k-th (from 0) of byte b's.
-struct ByteBits {
-  uint8_t count[256];
-  uint8_t nth[256][8];
-};
-
-constexpr ByteBits MakeByteBits() {
-  ByteBits bits{};
-  for (int b = 0; b < 256; ++b) {
-    for (int s = 0; s < 8; ++s) {
-      if ((b >> s) & 1) bits.nth[b][bits.count[b]++] = static_cast<uint8_t>(s);
-    }
-  }
-  return bits;
-}
-
-constexpr ByteBits kByteBits = MakeByteBits();
-
 // The offset of the k-th (from 0) set bit of x, for k < BitCount(x); 0 where x is 0. Without a
 // data-dependent branch for buckets of up to 8 slots.
 inline int64_t NthSetBit(uint32_t x, int64_t k) {
