@@ -11,7 +11,7 @@ ROOT=$(cd ../.. && pwd)
 J=$("$ROOT/.venv/bin/python" -c "import jaxlib, os; print(os.path.join(os.path.dirname(jaxlib.__file__), 'include'))")
 GEN=$(ls -d "$ROOT"/build/temp.*/jaxres_generated | head -1)  # from `python setup.py build_ext --inplace`
 for main in harness find; do
-  g++ -O3 -std=c++17 -g -I "$ROOT/jaxres/_core" -I "$ROOT/jaxres/_core/kernels" -I "$GEN" -isystem "$J" -o "$main" "$main.cc"
+  g++ -O3 -std=c++17 -g -I . -I "$ROOT/jaxres/_core" -I "$ROOT/jaxres/_core/kernels" -I "$GEN" -isystem "$J" -o "$main" "$main.cc"
 done
 ./harness 200
 valgrind --tool=callgrind --callgrind-out-file=upsert.out ./harness 5 2>&1 | tail -1
