@@ -59,6 +59,38 @@ def pending_rows(mask: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
   return jnp.minimum(target, n - 1), target
 
 
+def round_rows(mask: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
+  """The rows of a claim round over the lowest ``chunk`` True rows, as :func:`pending_rows`'s
+  ``(rows, target)``; with ``chunk`` the whole batch, every row in order and no prefix sum (``target``
+  past the end where not True). Rows keep their order either way, so a claim's lowest writer
+  (:func:`lowest_writer`, by position) is the same row.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> mask = jnp.array([False, True, True, False])
+    >>> [x.tolist() for x in round_rows(mask, 4)], [x.tolist() for x in round_rows(mask, 1)]
+    ([[0, 1, 2, 3], [4, 1, 2, 4]], [[1], [1]])
+  """
+  n = mask.shape[0]
+  if chunk < n:
+    return pending_rows(mask, chunk)
+  index = jnp.arange(n, dtype=jnp.int32)
+  return index, jnp.where(mask, index, n)
+
+
+def rounds(round_, state, width: int, narrow: int):
+  """Runs ``round_(state, rows, target)`` until no row is pending (``state[-1]``), each round over the
+  lowest ``width`` pending rows: while more than ``narrow`` are pending, rows found anew each round
+  (:func:`round_rows`); then every row left, found once, in rounds of ``narrow`` rows. A round
+  over a list that holds every pending row, in order, is the round over the lowest ``width`` of them
+  (claims by position pick the same rows), so these are ``width``'s rounds at a fraction of their
+  cost: the first round or two place most rows."""
+  many = lambda s: jnp.sum(s[-1], dtype=jnp.int32) > narrow
+  state = lax.while_loop(many, lambda s: round_(s, *round_rows(s[-1], width)), state)
+  rows, target = pending_rows(state[-1], narrow)
+  return lax.while_loop(lambda s: jnp.any(s[-1]), lambda s: round_(s, rows, target), state)
+
+
 def scratch_size(n: int, cells_per_row: int = constants.CELLS_PER_ROW) -> int:
   """Scratch cells for a batch of ``n`` rows (a power of two)."""
   return 1 << max(1, (cells_per_row * n - 1).bit_length())

@@ -36,7 +36,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jaxres._core import constants, ordering
 from jaxres._core.kernels import claims, native
@@ -114,10 +113,9 @@ def _evict_reference(
   m = min(n, max(constants.CHUNK_MIN_ROWS, constants.LEAN_ROWS_PER_BUCKET * layout.num_buckets))
   scratch = claims.scratch_size(m)
 
-  def round_(state):
+  def round_(state, rows, target):
     rounds, digests, keys, overflow, scores, out, pending = state
-    rows, target = claims.pending_rows(pending, m)
-    position = jnp.arange(m, dtype=jnp.int32)
+    position = jnp.arange(rows.shape[0], dtype=jnp.int32)
     active = pending[rows] & (target < n)
     victim, victim_score = _lowest(layout, scores, jnp.stack([first[rows], second[rows]], axis=1))
     can = active & (victim_score < new_score[rows])
@@ -159,7 +157,8 @@ def _evict_reference(
     victim_score=jnp.zeros(n, jnp.uint32),
   )
   state = (jnp.int32(0), digests, keys, overflow, scores, out, pending)
-  _, digests, keys, overflow, scores, out, _ = lax.while_loop(lambda s: jnp.any(s[-1]), round_, state)
+  state = claims.rounds(round_, state, m, min(m, claims.chunk_size(n)))
+  _, digests, keys, overflow, scores, out, _ = state
   out = out._replace(digests=digests, keys=keys, overflow=overflow, scores=scores)
   if named is None:  # every key of the call scores the highest: none evicts another
     return out

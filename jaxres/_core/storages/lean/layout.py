@@ -145,7 +145,9 @@ class Layout:
   def bits(self, flags: jax.Array) -> jax.Array:
     """Per-byte flags (the top bit of each byte of ``uint32[..., bucket_words]``) as slot bitmasks,
     ``uint32[..., mask_words]``: bit ``j`` of word ``m`` is slot ``32 m + j`` of the bucket."""
-    nibbles = ((flags >> 7) & 1) | ((flags >> 14) & 2) | ((flags >> 21) & 4) | ((flags >> 28) & 8)
+    # One multiply gathers the four flags (bits 7, 15, 23, 31) into bits 28-31, with no carries:
+    # the other products of its four terms land on distinct bits below 28.
+    nibbles = (flags * np.uint32(0x00204081)) >> 28
     pad = self.mask_words * 8 - self.bucket_words
     nibbles = jnp.pad(nibbles, [(0, 0)] * (nibbles.ndim - 1) + [(0, pad)])
     nibbles = nibbles.reshape(*nibbles.shape[:-1], self.mask_words, 8)
@@ -205,18 +207,24 @@ def _zero_bytes(x: jax.Array) -> jax.Array:
   return ~(((x & low) + low) | x | low)
 
 
-def lowest_bit(masks: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``(word, bit)`` of the lowest set bit of bitmask rows ``uint32[..., M]`` (word ``M`` where none).
+def lowest_bit(masks: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(word, bit, held)`` of the lowest set bit of bitmask rows ``uint32[..., M]``: its word (``M``
+  where none), its bit in that word, and that word (0 where none).
+
+  ``M`` is small (a bucket pair's bitmask words): one select a word, no reduction or gather.
 
   Examples:
     >>> lowest_bit(jnp.array([[0, 0b1100], [1, 0], [0, 0]], jnp.uint32))
-    (Array([1, 0, 2], dtype=int32), Array([2, 0, 0], dtype=int32))
+    (Array([1, 0, 2], dtype=int32), Array([2, 0, 0], dtype=int32), Array([12,  1,  0], dtype=uint32))
   """
-  some = masks != 0
-  word = jnp.where(jnp.any(some, axis=-1), jnp.argmax(some, axis=-1), masks.shape[-1]).astype(jnp.int32)
-  x = jnp.take_along_axis(masks, jnp.minimum(word, masks.shape[-1] - 1)[..., None], axis=-1)[..., 0]
-  low = x & (jnp.uint32(0) - x)
-  return word, jnp.where(x == 0, 0, 31 - lax.clz(low).astype(jnp.int32))
+  m = masks.shape[-1]
+  word = jnp.full(masks.shape[:-1], m, jnp.int32)
+  held = jnp.zeros(masks.shape[:-1], jnp.uint32)
+  for j in reversed(range(m)):
+    some = masks[..., j] != 0
+    word, held = jnp.where(some, j, word), jnp.where(some, masks[..., j], held)
+  low = held & (jnp.uint32(0) - held)
+  return word, jnp.where(held == 0, 0, 31 - lax.clz(low).astype(jnp.int32)), held
 
 
 def nth_bit(masks: jax.Array, n: jax.Array) -> jax.Array:

@@ -102,12 +102,12 @@ def place(layout: Layout, digests, keys, overflow, words, pending) -> tuple:
   m = min(n, max(constants.CHUNK_MIN_ROWS, constants.LEAN_ROWS_PER_BUCKET * layout.num_buckets))
   chunk = claims.chunk_size(n)
 
-  def claim(state, rows, target, bucket, free):
-    """Rows ``rows`` claim the lane's free slot of ``bucket`` (``free``: its free bitmask); ``state``:
-    ``(rounds, digests, keys, slot, pending)``, as every round's state begins."""
+  def claim(state, rows, target, bucket, free, scratch):
+    """Rows ``rows`` claim the lane's free slot of ``bucket`` (``free``: its free bitmask) through
+    ``scratch`` cells; ``state``: ``(rounds, digests, keys, slot, pending)``, as every round's state
+    begins."""
     rounds, digests, keys, slot, pending = state
     position = jnp.arange(rows.shape[0], dtype=jnp.int32)
-    scratch = claims.scratch_size(rows.shape[0])
     num_free = jnp.sum(lax.population_count(free), axis=-1, dtype=jnp.uint32)
     trying = pending[rows] & (target < n) & (num_free > 0)
     candidate = bucket * size + nth_bit(free, layout.nth_free(lane[rows], num_free))
@@ -119,18 +119,17 @@ def place(layout: Layout, digests, keys, overflow, words, pending) -> tuple:
     slot = slot.at[jnp.where(won, target, n)].set(candidate, mode="drop")
     return rounds + 1, digests, keys, slot, pending.at[jnp.where(won, target, n)].set(False, mode="drop")
 
-  def pair_round(state):
+  def pair_round(state, rows, target):
     *state, spilled, pending = state
-    rows, target = claims.pending_rows(pending, m)
     frees = layout.free(layout.digest_words(state[1], jnp.stack([first[rows], second[rows]], axis=1)))
-    counts = jnp.sum(lax.population_count(frees), axis=-1, dtype=jnp.int32)  # [m, 2]
+    counts = jnp.sum(lax.population_count(frees), axis=-1, dtype=jnp.int32)  # [rows, 2]
     other = layout.second_choice(counts[:, 0], counts[:, 1])
     full = (counts[:, 0] == 0) & (counts[:, 1] == 0) & (target < n) & pending[rows]
     spilled = spilled.at[jnp.where(full, target, n)].set(True, mode="drop")
     pending = pending.at[jnp.where(full, target, n)].set(False, mode="drop")
     bucket = jnp.where(other, second[rows], first[rows])
     free = jnp.where(other[:, None], frees[:, 1], frees[:, 0])
-    *state, pending = claim((*state, pending), rows, target, bucket, free)
+    *state, pending = claim((*state, pending), rows, target, bucket, free, claims.scratch_size(m))
     return (*state, spilled, pending)
 
   def probe_round(state):
@@ -140,10 +139,10 @@ def place(layout: Layout, digests, keys, overflow, words, pending) -> tuple:
     free = layout.free(layout.digest_words(state[1], bucket))
     full = jnp.all(free == 0, axis=-1)
     cursor = cursor.at[jnp.where(full, target, n)].set(bucket, mode="drop")
-    return (*claim((*state, pending), rows, target, bucket, free), cursor)
+    return (*claim((*state, pending), rows, target, bucket, free, claims.scratch_size(chunk)), cursor)
 
   state = (jnp.int32(0), digests, keys, jnp.zeros(n, jnp.int32), jnp.zeros(n, bool), pending)
-  *state, spilled, _ = lax.while_loop(lambda s: jnp.any(s[-1]), pair_round, state)
+  *state, spilled, _ = claims.rounds(pair_round, state, m, min(m, chunk))
   state = (*state, spilled, first)
   _, digests, keys, slot, _, _ = lax.while_loop(lambda s: jnp.any(s[-2]), probe_round, tuple(state))
   overflow = layout.shift_overflow(overflow, first, slot, spilled, +1)

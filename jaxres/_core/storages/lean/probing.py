@@ -55,14 +55,13 @@ def _next_candidate(layout: Layout, masks, buckets):
   """``(masks, slot, some)``: each row's lowest matching slot taken out of its bitmask rows (words of
   ``buckets``' slots in turn, ``mask_words`` each), the slot, and whether there was one."""
   per_bucket = layout.mask_words
-  word, bit = lowest_bit(masks)
+  word, bit, held = lowest_bit(masks)
   some = word < masks.shape[-1]
-  word = jnp.minimum(word, masks.shape[-1] - 1)
-  bucket = jnp.take_along_axis(buckets, (word // per_bucket)[:, None], axis=1)[:, 0]
+  bucket = buckets[:, 0]
+  for b in range(1, buckets.shape[1]):
+    bucket = jnp.where(word >= b * per_bucket, buckets[:, b], bucket)
   slot = jnp.where(some, bucket * layout.bucket_size + (word % per_bucket) * 32 + bit, 0)
-  held = jnp.take_along_axis(masks, word[:, None], axis=1)[:, 0]
-  cleared = jnp.where(some, held & (held - 1), held)
-  masks = jnp.where(jnp.arange(masks.shape[-1]) == word[:, None], cleared[:, None], masks)
+  masks = jnp.where(jnp.arange(masks.shape[-1]) == word[:, None], (held & (held - 1))[:, None], masks)
   return masks, slot, some
 
 
