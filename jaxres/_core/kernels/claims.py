@@ -25,9 +25,10 @@ _FREE = np.int32(np.iinfo(np.int32).max)  # an unclaimed scratch cell
 _MIX = np.uint32(constants.GOLDEN_MIX)
 
 
-def chunk_size(n: int) -> int:
-  """Rows handled per round of a loop that only rare rows enter."""
-  return min(n, max(constants.CHUNK_MIN_ROWS, n // constants.CHUNK_FRACTION))
+def chunk_size(n: int, fraction: int = constants.CHUNK_FRACTION) -> int:
+  """Rows handled per round of a loop that only rare rows enter: a ``fraction`` of the batch, at
+  least ``CHUNK_MIN_ROWS``, at most the batch."""
+  return min(n, max(constants.CHUNK_MIN_ROWS, n // fraction))
 
 
 def prefix_sum(x: jax.Array) -> jax.Array:
